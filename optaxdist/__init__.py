@@ -1,0 +1,79 @@
+"""optaxdist: distributed, communication-efficient training as composable Optax transformations."""
+
+from optaxdist.accounting import CommLedger, CommStats, KindTotals, comm_stats, payload_bytes
+from optaxdist.comm import (
+    AxisComm,
+    Communicator,
+    Hierarchy,
+    MpiComm,
+    axis_hierarchy,
+    mesh_hierarchy,
+    mpi_hierarchy,
+)
+from optaxdist.parallel import (
+    REPLICA_AXIS,
+    assert_replicas_identical,
+    broadcast_from_root,
+    global_replica_array,
+    initialize_multihost,
+    on_mesh,
+    on_mpi,
+    replicas_identical,
+    replicate,
+    simulate,
+)
+from optaxdist.transforms.allreduce import (
+    AllReduceState,
+    AverageParamsState,
+    allreduce,
+    average_params,
+)
+from optaxdist.transforms.loss_scale import (
+    DynamicLossScaleState,
+    dynamic_loss_scale,
+    mlbench_loss_scale,
+    pytorch_loss_scale,
+    scale_loss,
+    skip_nonfinite,
+)
+from optaxdist.transforms.singa import SingaSgdState, singa_exponential_decay, singa_sgd
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "REPLICA_AXIS",
+    "AllReduceState",
+    "AverageParamsState",
+    "AxisComm",
+    "CommLedger",
+    "CommStats",
+    "Communicator",
+    "DynamicLossScaleState",
+    "Hierarchy",
+    "KindTotals",
+    "MpiComm",
+    "SingaSgdState",
+    "allreduce",
+    "assert_replicas_identical",
+    "average_params",
+    "axis_hierarchy",
+    "broadcast_from_root",
+    "comm_stats",
+    "dynamic_loss_scale",
+    "global_replica_array",
+    "initialize_multihost",
+    "mesh_hierarchy",
+    "mlbench_loss_scale",
+    "mpi_hierarchy",
+    "on_mesh",
+    "on_mpi",
+    "payload_bytes",
+    "pytorch_loss_scale",
+    "replicas_identical",
+    "replicate",
+    "scale_loss",
+    "simulate",
+    "singa_exponential_decay",
+    "singa_sgd",
+    "skip_nonfinite",
+]

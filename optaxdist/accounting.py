@@ -1,0 +1,150 @@
+"""Exact accounting of what each replica sends.
+
+Every communicating transform keeps a ``CommLedger`` in its state: one int32 event counter per kind
+of collective, and, as static data fixed at ``init`` from the parameter shapes, the payload in
+bytes of one event of that kind. Totals are ``count × payload`` computed with Python integers on the
+host, so they stay exact for any run length (a float byte counter would not).
+
+Convention: the *payload* of a collective is the size of the buffer this replica hands to it (for
+an all-reduce of ``S`` bytes, ``S``; what a ring implementation puts on the wire, ``2(n−1)/n·S``, is
+the business of the cost model in ``optaxdist.bench.cost``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+def payload_bytes(tree: PyTree, dtype: Any = None) -> int:
+    """Static size in bytes of ``tree`` (arrays or ShapeDtypeStructs) sent as ``dtype``.
+
+    ``dtype`` replaces the dtype of floating-point leaves (the communication dtype); integer and
+    boolean leaves keep their own.
+    """
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        dt = jnp.dtype(leaf.dtype)
+        if dtype is not None and jnp.issubdtype(dt, jnp.floating):
+            dt = jnp.dtype(dtype)
+        total += int(np.prod(leaf.shape, dtype=np.int64)) * dt.itemsize
+    return total
+
+
+@jax.tree_util.register_pytree_node_class
+class CommLedger:
+    """Per-kind event counters (dynamic, int32) with the static payload of one event of each kind.
+
+    Create it in ``init`` with ``CommLedger.create({"all_reduce[float32]": nbytes, ...})`` and call
+    ``record(kind)`` each time the transform calls the communicator with that payload.
+    """
+
+    __slots__ = ("counts", "kinds", "payloads")
+
+    def __init__(self, counts: tuple[jax.Array, ...], kinds: tuple[str, ...], payloads: tuple[int, ...]):
+        self.counts = tuple(counts)
+        self.kinds = tuple(kinds)
+        self.payloads = tuple(payloads)
+
+    @classmethod
+    def create(cls, payloads: Mapping[str, int]) -> CommLedger:
+        kinds = tuple(payloads)
+        return cls(
+            tuple(jnp.zeros((), jnp.int32) for _ in kinds),
+            kinds,
+            tuple(int(payloads[k]) for k in kinds),
+        )
+
+    def record(self, kind: str, times: int | jax.Array = 1) -> CommLedger:
+        """Count ``times`` more events of ``kind`` (a kind declared at ``create``)."""
+        if kind not in self.kinds:
+            raise KeyError(f"kind {kind!r} was not declared; declared kinds: {self.kinds}")
+        i = self.kinds.index(kind)
+        counts = list(self.counts)
+        counts[i] = counts[i] + jnp.asarray(times, jnp.int32)
+        return CommLedger(tuple(counts), self.kinds, self.payloads)
+
+    def tree_flatten(self):
+        return self.counts, (self.kinds, self.payloads)
+
+    @classmethod
+    def tree_unflatten(cls, aux, counts):
+        return cls(tuple(counts), *aux)
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k}: {c} × {b} B" for k, c, b in zip(self.kinds, self.counts, self.payloads))
+        return f"CommLedger({items})"
+
+
+class KindTotals(NamedTuple):
+    collectives: int
+    bytes: int
+
+
+class CommStats(NamedTuple):
+    """What one replica has sent: totals per kind of collective, and overall."""
+
+    by_kind: dict[str, KindTotals]
+
+    @property
+    def collectives(self) -> int:
+        return sum(t.collectives for t in self.by_kind.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.bytes for t in self.by_kind.values())
+
+
+def comm_stats(state: PyTree, *, replica: int | None = None) -> CommStats:
+    """Totals of collectives and payload bytes sent by one replica, read from any optimizer state.
+
+    Args:
+      state: an optimizer state, nested at any depth (``optax.chain``, wrappers, ...), or a stack of
+        per-replica states as returned by ``simulate``/``on_mesh`` (leading replica axes).
+      replica: for stacked states, which replica to read. By default the counters must agree on all
+        replicas (they do for every optaxdist transform) and that common value is returned.
+
+    Returns:
+      ``CommStats`` with ``by_kind[kind] = (collectives, bytes)`` and ``.collectives`` / ``.bytes``
+      summed over kinds. Python integers: exact for any run length.
+    """
+    totals: dict[str, list[int]] = {}
+    ledgers = [
+        x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CommLedger))
+        if isinstance(x, CommLedger)
+    ]
+    for ledger in ledgers:
+        for kind, count, payload in zip(ledger.kinds, ledger.counts, ledger.payloads):
+            n = _one_replica(np.asarray(count), kind, replica)
+            acc = totals.setdefault(kind, [0, 0])
+            acc[0] += n
+            acc[1] += n * payload
+    return CommStats({k: KindTotals(c, b) for k, (c, b) in totals.items()})
+
+
+def _one_replica(count: np.ndarray, kind: str, replica: int | None) -> int:
+    if count.ndim == 0:
+        return int(count)
+    flat = count.reshape(-1)
+    if replica is not None:
+        return int(flat[replica])
+    if not (flat == flat[0]).all():
+        raise ValueError(
+            f"replicas disagree on the count of {kind!r} ({flat.tolist()}); pass replica=<index>"
+        )
+    return int(flat[0])
+
+
+def keep_ledgers(selected: PyTree, latest: PyTree) -> PyTree:
+    """``selected`` with every ledger taken from ``latest``: events that happened stay counted even
+    when the rest of a state is rolled back (a skipped step still sent its collectives)."""
+    is_ledger = lambda x: isinstance(x, CommLedger)
+    return jax.tree.map(
+        lambda s, n: n if is_ledger(s) else s, selected, latest, is_leaf=is_ledger
+    )

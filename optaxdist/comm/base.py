@@ -1,0 +1,129 @@
+"""The communicator interface shared by every backend.
+
+A communicator is a small frozen, hashable object describing a group of replicas. Transforms receive
+it as ``comm=`` and call only these methods; every byte that crosses replicas goes through them.
+
+Backends implement four primitives on single arrays (``_psum``, ``_all_gather``, ``_permute``,
+``index``) plus ``size``; everything else (trees, communication dtypes, broadcast, agreement) is
+derived here once, so the backends cannot disagree about it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+Permutation = Sequence[tuple[int, int]]
+
+COMM_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def canonical_comm_dtype(dtype: Any, *, name: str = "dtype") -> jnp.dtype | None:
+    """Validate a communication dtype: None (the leaf's own dtype), float32, bfloat16 or float16."""
+    if dtype is None:
+        return None
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"{name}={dtype!r} is not a dtype; allowed: None, {COMM_DTYPES}") from e
+    if dt.name not in COMM_DTYPES:
+        raise ValueError(f"{name}={dtype!r} is not supported; allowed: None, {COMM_DTYPES}")
+    return dt
+
+
+def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return x.astype(dtype)
+
+
+class Communicator(abc.ABC):
+    """A group of replicas that can exchange values (see ``AxisComm`` and ``MpiComm``)."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """Number of members of the group (a static Python int)."""
+
+    @abc.abstractmethod
+    def index(self) -> jax.Array:
+        """This member's position in the group, 0 ≤ index < size (an int32 scalar)."""
+
+    @abc.abstractmethod
+    def _psum(self, x: jax.Array) -> jax.Array: ...
+
+    @abc.abstractmethod
+    def _all_gather(self, x: jax.Array) -> jax.Array: ...
+
+    @abc.abstractmethod
+    def _permute(self, x: jax.Array, perm: tuple[tuple[int, int], ...]) -> jax.Array: ...
+
+    def varying(self, tree: PyTree) -> PyTree:
+        """Mark values as per-replica (shard_map's ``pcast``); the identity for other backends."""
+        return tree
+
+    # ---- derived collectives -------------------------------------------------------------
+
+    def psum(self, tree: PyTree, *, dtype: Any = None) -> PyTree:
+        """All-reduce sum. ``dtype`` is the type on the wire; results come back in each leaf's dtype."""
+        dt = canonical_comm_dtype(dtype)
+
+        def one(x):
+            x = jnp.asarray(x)
+            if x.dtype == jnp.bool_:
+                return self._psum(x.astype(jnp.int32)) > 0
+            return self._psum(_cast(x, dt)).astype(x.dtype)
+
+        return jax.tree.map(one, tree)
+
+    def pmean(self, tree: PyTree, *, dtype: Any = None) -> PyTree:
+        """All-reduce mean: ``psum`` followed by division by ``size`` in each leaf's dtype."""
+        inv = 1.0 / self.size
+        return jax.tree.map(lambda s: s * jnp.asarray(inv, s.dtype), self.psum(tree, dtype=dtype))
+
+    def all_gather(self, tree: PyTree) -> PyTree:
+        """Every member's value stacked on a new leading axis of length ``size``."""
+        return jax.tree.map(lambda x: self._all_gather(jnp.asarray(x)), tree)
+
+    def permute(self, tree: PyTree, perm: Permutation) -> PyTree:
+        """Send to the static destinations ``perm = [(src, dst), ...]``; members receiving nothing get 0."""
+        perm = _check_permutation(perm, self.size)
+        return jax.tree.map(lambda x: self._permute(jnp.asarray(x), perm), tree)
+
+    def broadcast(self, tree: PyTree, root: int = 0) -> PyTree:
+        """Member ``root``'s value on every member (bit-exact, even if others hold NaN or Inf)."""
+        if not 0 <= root < self.size:
+            raise ValueError(f"root={root} is out of range for a group of size {self.size}")
+        is_root = self.index() == root
+
+        def one(x):
+            x = jnp.asarray(x)
+            if x.dtype == jnp.bool_:
+                return self._psum(jnp.where(is_root, x, False).astype(jnp.int32)) > 0
+            return self._psum(jnp.where(is_root, x, jnp.zeros_like(x)))
+
+        return jax.tree.map(one, tree)
+
+    def agree(self, pred: jax.Array, *, op: Literal["any", "all"] = "any") -> jax.Array:
+        """Make a boolean identical on every member: true if it holds on any (or all) members."""
+        if op not in ("any", "all"):
+            raise ValueError(f"op={op!r}; allowed: 'any', 'all'")
+        votes = self._psum(jnp.asarray(pred, jnp.bool_).astype(jnp.int32))
+        return votes > 0 if op == "any" else votes == self.size
+
+
+def _check_permutation(perm: Permutation, size: int) -> tuple[tuple[int, int], ...]:
+    pairs = tuple((int(s), int(d)) for s, d in perm)
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    for s, d in pairs:
+        if not (0 <= s < size and 0 <= d < size):
+            raise ValueError(f"perm pair {(s, d)} is out of range for a group of size {size}")
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+        raise ValueError(f"perm={pairs} must send from and to each member at most once")
+    return pairs

@@ -1,0 +1,138 @@
+"""``MpiComm``: collectives between MPI processes through mpi4jax (one device per process)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optaxdist._compat import manual_axes
+from optaxdist.comm.base import Communicator
+
+
+def _mpi():
+    try:
+        import mpi4jax
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on the installed extras
+        raise ImportError(
+            "MpiComm needs mpi4py and mpi4jax: pip install 'optaxdist[mpi]' "
+            "(set CUDA_PATH=/usr/local/cuda when building mpi4jax on a machine with CUDA)"
+        ) from e
+    return MPI, mpi4jax
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MpiComm(Communicator):
+    """Communicate between the processes of an MPI communicator (default ``COMM_WORLD``).
+
+    Launch one process per device (``mpirun -n 4 python train.py``) and call the update inside a
+    plain ``jax.jit``. mpi4jax primitives carry an ordered effect that JAX refuses in computations
+    over several devices, so using an ``MpiComm`` inside ``shard_map`` or ``vmap`` raises a clear
+    error; for a node of several devices use ``AxisComm`` inside the node (``mpi_hierarchy``).
+
+    Example (run with ``mpirun -n 2``)::
+
+        comm = MpiComm()
+        tx = optax.chain(optaxdist.allreduce(comm=comm), optax.sgd(0.1))
+    """
+
+    comm: Any = None
+
+    def __post_init__(self):
+        MPI, _ = _mpi()
+        if self.comm is None:
+            object.__setattr__(self, "comm", MPI.COMM_WORLD)
+        if not isinstance(self.comm, MPI.Comm):
+            raise TypeError(f"comm must be an mpi4py communicator or None, got {type(self.comm)}")
+
+    @property
+    def size(self) -> int:
+        return int(self.comm.Get_size())
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the communicator (a static Python int)."""
+        return int(self.comm.Get_rank())
+
+    def index(self) -> jax.Array:
+        return jnp.asarray(self.rank, jnp.int32)
+
+    def _check_single_device(self, x: jax.Array) -> None:
+        if manual_axes():
+            raise RuntimeError(
+                "MpiComm was used inside jax.shard_map over a multi-device mesh: mpi4jax needs one "
+                "device per MPI process. Use AxisComm inside the mesh (see mpi_hierarchy) or run "
+                "one process per device."
+            )
+        if isinstance(x, jax.core.Tracer) and type(x).__name__ == "BatchTracer":
+            raise RuntimeError(
+                "MpiComm was used inside jax.vmap: MPI collectives run between processes, not "
+                "between vmapped replicas. Use AxisComm for simulated replicas."
+            )
+
+    def _psum(self, x):
+        MPI, mpi4jax = _mpi()
+        self._check_single_device(x)
+        if x.dtype in _HALF_TYPES:
+            # MPI has no 16-bit float sum: gather the 16-bit values, add them in float32, round.
+            return self._all_gather(x).astype(jnp.float32).sum(0).astype(x.dtype)
+        return mpi4jax.allreduce(x, op=MPI.SUM, comm=self.comm)
+
+    def _all_gather(self, x):
+        _, mpi4jax = _mpi()
+        self._check_single_device(x)
+        return _from_wire(mpi4jax.allgather(_to_wire(x), comm=self.comm), x.dtype)
+
+    def broadcast(self, tree, root: int = 0):
+        _, mpi4jax = _mpi()
+        if not 0 <= root < self.size:
+            raise ValueError(f"root={root} is out of range for a group of size {self.size}")
+
+        def one(x):
+            x = jnp.asarray(x)
+            self._check_single_device(x)
+            return _from_wire(mpi4jax.bcast(_to_wire(x), root, comm=self.comm), x.dtype)
+
+        return jax.tree.map(one, tree)
+
+    def _permute(self, x, perm):
+        _, mpi4jax = _mpi()
+        self._check_single_device(x)
+        me = self.rank
+        dest = next((d for s, d in perm if s == me), None)
+        source = next((s for s, d in perm if d == me), None)
+        zeros = jnp.zeros_like(x)
+        wire, wire_zeros = _to_wire(x), _to_wire(zeros)
+        if dest is not None and source is not None:
+            out = mpi4jax.sendrecv(wire, wire_zeros, source, dest, comm=self.comm)
+        elif dest is not None:
+            mpi4jax.send(wire, dest, comm=self.comm)
+            out = wire_zeros
+        elif source is not None:
+            out = mpi4jax.recv(wire_zeros, source, comm=self.comm)
+        else:
+            out = wire_zeros
+        return _from_wire(out, x.dtype)
+
+
+# mpi4jax knows no 16-bit float MPI type: such values travel as their uint16 bit patterns.
+_HALF_TYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _to_wire(x: jax.Array) -> jax.Array:
+    if x.dtype in _HALF_TYPES:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8)
+    return x
+
+
+def _from_wire(x: jax.Array, dtype) -> jax.Array:
+    if dtype in _HALF_TYPES:
+        return jax.lax.bitcast_convert_type(x, dtype)
+    if dtype == jnp.bool_:
+        return x.astype(jnp.bool_)
+    return x

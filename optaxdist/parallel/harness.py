@@ -1,0 +1,151 @@
+"""Harness helpers: the same per-replica step function on three backends.
+
+A *step* is written for one replica and takes its communicator from a closure (``AxisComm`` for
+``simulate`` and ``on_mesh``, ``MpiComm`` for ``on_mpi``). ``simulate`` and ``on_mesh`` take and
+return *stacked* pytrees: every leaf has a leading axis of length N, row ``i`` belonging to replica
+``i``. Under MPI each process holds only its own row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from optaxdist.comm.base import Communicator
+
+PyTree = Any
+REPLICA_AXIS = "replica"
+
+
+def replicate(tree: PyTree, n: int) -> PyTree:
+    """Stack ``n`` identical copies of ``tree`` on a new leading axis."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be a positive int")
+    return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)
+
+
+def _names(axis_name: str | Sequence[str]) -> tuple[str, ...]:
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def simulate(
+    step: Callable[..., Any],
+    *,
+    axis_name: str | Sequence[str] = REPLICA_AXIS,
+    shape: Sequence[int] | None = None,
+    jit: bool = True,
+) -> Callable[..., Any]:
+    """N simulated replicas of ``step`` on one device: ``jax.vmap`` with a named axis.
+
+    Args:
+      step: the per-replica function.
+      axis_name: the axis name its ``AxisComm`` uses; a tuple such as ``("node", "local")`` maps
+        nested axes (for hierarchical algorithms), with ``shape=(num_nodes, local_size)``.
+      shape: sizes of the axes when there are several (the stacked leading axis is their product).
+      jit: wrap the result in ``jax.jit``.
+
+    Returns:
+      A function of stacked arguments returning stacked results.
+    """
+    names = _names(axis_name)
+    if len(names) > 1 and (shape is None or len(shape) != len(names)):
+        raise ValueError(f"axis_name={names} needs shape= with one size per axis, got {shape}")
+    mapped = step
+    for name in reversed(names):
+        mapped = jax.vmap(mapped, axis_name=name)
+
+    def run(*args):
+        if len(names) == 1:
+            return mapped(*args)
+        n = math.prod(shape)
+        split = jax.tree.map(lambda x: x.reshape(tuple(shape) + x.shape[1:]), args)
+        for leaf in jax.tree.leaves(args):
+            if leaf.shape[:1] != (n,):
+                raise ValueError(f"stacked leading axis must be {n}, got shape {leaf.shape}")
+        out = mapped(*split)
+        return jax.tree.map(lambda x: x.reshape((n,) + x.shape[len(names) :]), out)
+
+    return jax.jit(run) if jit else run
+
+
+def on_mesh(
+    step: Callable[..., Any],
+    mesh: Mesh,
+    *,
+    axis_name: str | Sequence[str] | None = None,
+) -> Callable[..., Any]:
+    """Run ``step`` with one replica per device of ``mesh``: ``jax.shard_map`` over stacked inputs.
+
+    The leading axis of every argument is split over ``axis_name`` (default: all mesh axes,
+    row-major), so each device runs ``step`` on its own row with per-replica (varying) values; in
+    particular gradients taken inside ``step`` are each replica's local gradients. Works for a mesh
+    spanning several hosts under ``jax.distributed`` when the inputs are global arrays
+    (``global_replica_array``).
+    """
+    names = _names(mesh.axis_names if axis_name is None else axis_name)
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"axis_name {missing} not in the mesh axes {mesh.axis_names}")
+    spec = P(names)
+    sharding = NamedSharding(mesh, spec)
+
+    def per_device(*args):
+        rows = jax.tree.map(lambda x: x[0], args)
+        return jax.tree.map(lambda x: jnp.expand_dims(x, 0), step(*rows))
+
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec)
+
+    explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    place = jax.reshard if explicit else jax.lax.with_sharding_constraint
+
+    def run(*args):
+        return mapped(*jax.tree.map(lambda x: place(x, sharding), args))
+
+    return jax.jit(run)
+
+
+def on_mpi(step: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``step`` under MPI: one process per device, each calling it on its own (unstacked) data.
+
+    This is ``jax.jit(step)``; it exists so the three harnesses read alike. Launch with
+    ``mpirun -n N python script.py`` and build the step's communicator with ``MpiComm()``.
+    """
+    return jax.jit(step)
+
+
+def broadcast_from_root(tree: PyTree, *, comm: Communicator, root: int = 0) -> PyTree:
+    """Inside a step: every replica takes replica ``root``'s values (make replicas start identical)."""
+    return comm.broadcast(tree, root)
+
+
+def replicas_identical(tree: PyTree, *, comm: Communicator) -> jax.Array:
+    """Inside a step: True on every replica iff all replicas hold bit-identical values."""
+    same = [
+        jnp.all((x == y) | (jnp.isnan(x) & jnp.isnan(y)))
+        if jnp.issubdtype(x.dtype, jnp.floating)
+        else jnp.all(x == y)
+        for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(comm.broadcast(tree, 0)))
+    ]
+    mine = jnp.stack(same).all() if same else jnp.asarray(True)
+    return comm.agree(mine, op="all")
+
+
+def assert_replicas_identical(stacked: PyTree) -> None:
+    """Host-side check on a stacked pytree: raise ``AssertionError`` naming the first leaf whose
+    replicas differ."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(stacked):
+        x = np.asarray(leaf)
+        if x.ndim == 0:
+            continue
+        diff = np.nonzero([not np.array_equal(x[0], x[i], equal_nan=True) for i in range(len(x))])
+        if diff[0].size:
+            raise AssertionError(
+                f"replicas {diff[0].tolist()} differ from replica 0 at {jax.tree_util.keystr(path)}"
+            )

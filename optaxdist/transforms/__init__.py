@@ -1,0 +1,1 @@
+"""Gradient transformations, one algorithm family per module."""

@@ -1,0 +1,101 @@
+"""Apache SINGA's SGD (dampening from the first momentum step) and its ``ExponentialDecay``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def singa_exponential_decay(
+    init_value: float, decay_steps: int, decay_rate: float, staircase: bool = False
+) -> optax.Schedule:
+    r"""SINGA ``ExponentialDecay``: :math:`v_0 \cdot r^{t / T}` (exponent floored with ``staircase``).
+
+    Computed in float32 like SINGA. The same formula as ``optax.exponential_decay(init_value,
+    transition_steps=decay_steps, decay_rate=decay_rate, staircase=staircase)``.
+    """
+    if not isinstance(decay_steps, int) or decay_steps < 1:
+        raise ValueError(f"decay_steps={decay_steps!r} must be an int ≥ 1")
+    if not decay_rate > 0:
+        raise ValueError(f"decay_rate={decay_rate!r} must be > 0")
+
+    def schedule(count):
+        exponent = jnp.asarray(count, jnp.float32) / jnp.float32(decay_steps)
+        if staircase:
+            exponent = jnp.floor(exponent)
+        return jnp.float32(init_value) * jnp.power(jnp.float32(decay_rate), exponent)
+
+    return schedule
+
+
+class SingaSgdState(NamedTuple):
+    """State of ``singa_sgd`` (per replica): the step count and the momentum buffer."""
+
+    count: jax.Array
+    momentum_buffer: optax.Updates
+
+
+def singa_sgd(
+    learning_rate: optax.ScalarOrSchedule = 0.1,
+    *,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    r"""SGD exactly as Apache SINGA's ``opt.SGD``.
+
+    .. math::
+        g &\leftarrow g + \lambda p \\
+        b &\leftarrow \mu b + (1 - d)\, g \qquad (b_0 = 0) \\
+        g &\leftarrow g + \mu b \ \text{(nesterov)} \quad\text{else}\quad g \leftarrow b \\
+        u &= -\eta_t\, g
+
+    Unlike ``torch.optim.SGD`` (and ``optax.sgd``), whose buffer starts as :math:`b_1 = g_1`, SINGA
+    starts from zero, so dampening applies from the first momentum step: the first update is
+    :math:`(1-d)` times torch's. The two agree when ``dampening=0``.
+
+    Communication: none (a local optimizer).
+
+    Args:
+      learning_rate: a float or an optax schedule (e.g. ``singa_exponential_decay``).
+      momentum: μ ≥ 0 (0 disables the buffer, as in SINGA).
+      dampening: d.
+      weight_decay: λ ≥ 0, coupled L2 added to the gradient.
+      nesterov: Nesterov momentum; needs ``momentum > 0`` and ``dampening == 0``.
+
+    References:
+      Apache SINGA ``python/singa/opt.py`` ``SGD``.
+    """
+    if momentum < 0:
+        raise ValueError(f"momentum={momentum!r} must be ≥ 0")
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay={weight_decay!r} must be ≥ 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
+
+    def init_fn(params):
+        buf = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
+        return SingaSgdState(count=jnp.zeros((), jnp.int32), momentum_buffer=buf)
+
+    def update_fn(updates, state, params=None, **extra):
+        del extra
+        lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        if weight_decay:
+            if params is None:
+                raise ValueError("singa_sgd(weight_decay>0) needs params in update")
+            updates = jax.tree.map(lambda g, p: g + weight_decay * p, updates, params)
+        buf = state.momentum_buffer
+        if momentum:
+            buf = jax.tree.map(lambda b, g: momentum * b + (1 - dampening) * g, buf, updates)
+            if nesterov:
+                updates = jax.tree.map(lambda g, b: g + momentum * b, updates, buf)
+            else:
+                updates = buf
+        updates = jax.tree.map(lambda g: (-lr * g).astype(g.dtype), updates)
+        return updates, SingaSgdState(count=optax.safe_increment(state.count), momentum_buffer=buf)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
