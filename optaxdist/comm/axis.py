@@ -77,10 +77,11 @@ class AxisComm(Communicator):
         return x.reshape((self.size,) + x.shape[len(self.axes) :])
 
     def _permute(self, x, perm):
-        if len(self.axes) == 1 or set(self.axes) <= set(manual_axes()):
-            self.size  # noqa: B018
+        size = self.size
+        on_mesh = set(self.axes) <= set(manual_axes())
+        if on_mesh or (len(self.axes) == 1 and len(perm) == size):
             return jax.lax.ppermute(pcast_varying(x, self.axes), self.axis_name, perm)
-        # Nested vmap cannot ppermute over several axes at once: simulate it with a gather.
+        # vmap batches only full permutations over a single axis: simulate the rest with a gather.
         source = [-1] * self.size
         for src, dst in perm:
             source[dst] = src

@@ -96,7 +96,7 @@ class Communicator(abc.ABC):
         return jax.tree.map(lambda x: self._permute(jnp.asarray(x), perm), tree)
 
     def broadcast(self, tree: PyTree, root: int = 0) -> PyTree:
-        """Member ``root``'s value on every member (bit-exact, even if others hold NaN or Inf)."""
+        """Member ``root``'s value on every member, bit-exact whatever the others hold (NaN, Inf)."""
         if not 0 <= root < self.size:
             raise ValueError(f"root={root} is out of range for a group of size {self.size}")
         is_root = self.index() == root
@@ -105,6 +105,11 @@ class Communicator(abc.ABC):
             x = jnp.asarray(x)
             if x.dtype == jnp.bool_:
                 return self._psum(jnp.where(is_root, x, False).astype(jnp.int32)) > 0
+            if jnp.issubdtype(x.dtype, jnp.floating):
+                # Sum bit patterns, not floats: a float sum would flush subnormals and turn -0 to +0.
+                bits = jax.lax.bitcast_convert_type(x, _SAME_WIDTH_INT[x.dtype.itemsize])
+                summed = self._psum(jnp.where(is_root, bits, jnp.zeros_like(bits)))
+                return jax.lax.bitcast_convert_type(summed, x.dtype)
             return self._psum(jnp.where(is_root, x, jnp.zeros_like(x)))
 
         return jax.tree.map(one, tree)
@@ -115,6 +120,9 @@ class Communicator(abc.ABC):
             raise ValueError(f"op={op!r}; allowed: 'any', 'all'")
         votes = self._psum(jnp.asarray(pred, jnp.bool_).astype(jnp.int32))
         return votes > 0 if op == "any" else votes == self.size
+
+
+_SAME_WIDTH_INT = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
 
 def _check_permutation(perm: Permutation, size: int) -> tuple[tuple[int, int], ...]:

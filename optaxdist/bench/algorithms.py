@@ -1,0 +1,90 @@
+"""The registry of benchmarked algorithms: one row per name, each a factory of an Optax transform.
+
+A new algorithm adds one entry to ``ALGORITHMS``::
+
+    ALGORITHMS["topk-1%"] = Algorithm(
+        "topk-1%", lambda comm, local: optax.chain(optaxdist.topk(comm=comm, ...), local),
+        "top-k sparsified all-reduce",
+    )
+
+The factory receives the replicas' communicator and the *local* optimizer (``optax.sgd`` with the
+benchmark's learning rate and momentum) and returns the per-replica transform.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import optax
+
+import optaxdist
+from optaxdist.comm.base import Communicator
+
+Factory = Callable[[Communicator, optax.GradientTransformation], optax.GradientTransformation]
+
+
+class Algorithm(NamedTuple):
+    """One benchmark row.
+
+    Attributes:
+      name: the name used on the command line (``--algorithms``).
+      make: ``make(comm, local_optimizer) -> GradientTransformation`` for one replica.
+      description: one line for the docs and ``--list``.
+      single: if True the algorithm runs on ONE replica that draws the global batch
+        (``replicas × batch_size`` examples) from the whole training set, and sends nothing.
+    """
+
+    name: str
+    make: Factory
+    description: str
+    single: bool = False
+
+
+def _allreduce(dtype) -> Factory:
+    return lambda comm, local: optax.chain(optaxdist.allreduce(comm=comm, dtype=dtype), local)
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    a.name: a
+    for a in [
+        Algorithm(
+            "single",
+            lambda comm, local: local,
+            "one replica, global batch (replicas × batch) from the whole train set; no comm",
+            single=True,
+        ),
+        Algorithm(
+            "allreduce-fp32", _allreduce(jnp.float32), "gradient all-reduce (mean) in float32"
+        ),
+        Algorithm(
+            "allreduce-bf16", _allreduce(jnp.bfloat16), "gradient all-reduce (mean) in bfloat16"
+        ),
+        Algorithm(
+            "allreduce-fp16", _allreduce(jnp.float16), "gradient all-reduce (mean) in float16"
+        ),
+        Algorithm(
+            "param-avg",
+            lambda comm, local: optax.chain(local, optaxdist.average_params(comm=comm)),
+            "local SGD step, then parameter averaging every step (momentum stays local)",
+        ),
+    ]
+}
+
+DEFAULT_ALGORITHMS: tuple[str, ...] = tuple(ALGORITHMS)
+
+
+def local_optimizer(lr: float, momentum: float = 0.9) -> optax.GradientTransformation:
+    """The local optimizer every algorithm wraps: ``optax.sgd`` (no momentum when it is 0)."""
+    return optax.sgd(lr, momentum=momentum or None)
+
+
+def get_algorithms(names: str | list[str] | tuple[str, ...]) -> list[Algorithm]:
+    """Look up a comma-separated list (or a sequence) of registry names, in that order."""
+    if isinstance(names, str):
+        names = [s.strip() for s in names.split(",") if s.strip()]
+    unknown = [n for n in names if n not in ALGORITHMS]
+    if unknown or not names:
+        raise ValueError(f"unknown algorithms {unknown}; available: {', '.join(ALGORITHMS)}")
+    return [ALGORITHMS[n] for n in names]

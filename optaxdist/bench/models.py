@@ -1,0 +1,40 @@
+"""The model trained by the benchmark: a small Flax (linen) MLP classifier."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class MLP(nn.Module):
+    """Dense layers with ReLU, then a linear classifier head producing logits."""
+
+    hidden: Sequence[int] = (128, 128)
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for width in self.hidden:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.num_classes)(x)
+
+
+def cross_entropy(model: nn.Module, params, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy of ``model`` on the batch ``(x, y)``."""
+    logits = model.apply({"params": params}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def accuracy(model: nn.Module, params, x: jax.Array, y: jax.Array) -> jax.Array:
+    """Fraction of ``x`` classified as ``y``."""
+    logits = model.apply({"params": params}, x)
+    return jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32))
+
+
+def init_params(model: nn.Module, num_features: int, seed: int = 0):
+    """Parameters of ``model`` for inputs with ``num_features`` features."""
+    return model.init(jax.random.key(seed), jnp.zeros((1, num_features), jnp.float32))["params"]

@@ -1,0 +1,49 @@
+"""Test configuration shared by the three harnesses.
+
+Normal runs force 8 CPU devices (for the mesh harness) and parametrize every test that takes the
+``harness`` fixture over ``vmap`` and ``mesh``. Under ``mpirun`` (``OPTAXDIST_MPI=1``, set by
+tests/test_mpi.py) each process keeps one device, only the ``harness`` tests are collected, and they
+run on the ``mpi`` harness.
+"""
+
+import os
+
+UNDER_MPI = os.environ.get("OPTAXDIST_MPI") == "1"
+if not UNDER_MPI:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+from tests.harness import MeshHarness, MpiHarness, VmapHarness  # noqa: E402
+
+HARNESS_N = 8
+
+
+def pytest_generate_tests(metafunc):
+    if "harness" in metafunc.fixturenames:
+        kinds = ["mpi"] if UNDER_MPI else ["vmap", "mesh"]
+        metafunc.parametrize("harness", kinds, indirect=True)
+
+
+@pytest.fixture
+def harness(request):
+    if request.param == "vmap":
+        return VmapHarness(HARNESS_N)
+    if request.param == "mesh":
+        return MeshHarness(HARNESS_N)
+    return MpiHarness()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not UNDER_MPI:
+        return
+    keep = [it for it in items if "harness" in getattr(it, "fixturenames", ())]
+    dropped = [it for it in items if it not in keep]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

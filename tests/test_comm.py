@@ -1,0 +1,147 @@
+"""The communicator's collectives on every harness, hierarchies, and its clear errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import optaxdist as od
+
+
+def test_collectives(harness):
+    n, comm = harness.n, harness.comm
+    x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    chain = [(i, i + 1) for i in range(n - 1)]
+
+    def step(v):
+        return {
+            "index": comm.index(),
+            "psum": comm.psum(v),
+            "pmean_bf16": comm.pmean(v, dtype=jnp.bfloat16),
+            "gather": comm.all_gather(v),
+            "ring": comm.permute(v, ring),
+            "chain": comm.permute(v, chain),
+            "bcast": comm.broadcast(v, n - 1),
+            "any": comm.agree(v[0] > 3 * (n - 1) - 0.5, op="any"),
+            "all": comm.agree(v[0] > 3 * (n - 1) - 0.5, op="all"),
+            "size": jnp.asarray(comm.size),
+        }
+
+    out = harness.run(step, x)
+    np.testing.assert_array_equal(out["index"], np.arange(n))
+    np.testing.assert_array_equal(out["psum"], np.broadcast_to(x.sum(0), x.shape))
+    np.testing.assert_allclose(out["pmean_bf16"], np.broadcast_to(x.mean(0), x.shape), rtol=1e-2)
+    np.testing.assert_array_equal(out["gather"], np.broadcast_to(x, (n, n, 3)))
+    np.testing.assert_array_equal(out["ring"], np.roll(x, 1, axis=0))
+    np.testing.assert_array_equal(out["chain"][0], np.zeros(3))
+    np.testing.assert_array_equal(out["chain"][1:], x[:-1])
+    np.testing.assert_array_equal(out["bcast"], np.broadcast_to(x[-1], x.shape))
+    assert out["any"].all() and not out["all"].any()
+    assert (out["size"] == n).all()
+
+
+def test_broadcast_is_bit_exact_with_nonfinite_values_elsewhere(harness):
+    n, comm = harness.n, harness.comm
+    x = np.full((n, 4), np.nan, np.float32)
+    x[0] = [1.0, -0.0, 3.5e-39, 7.0]  # includes a subnormal
+    x[1:, 0] = np.inf
+    out = harness.run(lambda v: comm.broadcast({"f": v, "b": v > 2}, 0), x)
+    np.testing.assert_array_equal(out["f"], np.broadcast_to(x[0], x.shape))
+    np.testing.assert_array_equal(out["b"], np.broadcast_to(x[0] > 2, x.shape))
+
+
+def test_replicas_identical_and_broadcast_from_root(harness):
+    n, comm = harness.n, harness.comm
+    x = np.random.default_rng(0).normal(size=(n, 5)).astype(np.float32)
+
+    def step(v):
+        before = od.replicas_identical(v, comm=comm)
+        synced = od.broadcast_from_root(v, comm=comm)
+        return before, od.replicas_identical(synced, comm=comm), synced
+
+    before, after, synced = harness.run(step, x)
+    assert (before == (n == 1)).all() and after.all()
+    od.assert_replicas_identical(synced)
+    with pytest.raises(AssertionError, match="differ from replica 0"):
+        od.assert_replicas_identical({"x": x})
+
+
+def test_hierarchy_vmap_and_mesh():
+    nodes, local = 2, 4
+    x = np.arange(nodes * local, dtype=np.float32)
+
+    def step(h):
+        def f(v):
+            return h.local.psum(v), h.cross.psum(v), h.world.index(), h.cross.index()
+
+        return f
+
+    sim = od.simulate(step(od.axis_hierarchy(nodes, local)), axis_name=("node", "local"),
+                      shape=(nodes, local))(x)
+    h = od.mesh_hierarchy(nodes, local)
+    mesh_out = od.on_mesh(step(h), h.mesh)(x)
+    want_local = np.repeat(x.reshape(nodes, local).sum(1), local)
+    want_cross = np.tile(x.reshape(nodes, local).sum(0), nodes)
+    for out in (sim, mesh_out):
+        np.testing.assert_array_equal(out[0], want_local)
+        np.testing.assert_array_equal(out[1], want_cross)
+        np.testing.assert_array_equal(out[2], np.arange(nodes * local))
+        np.testing.assert_array_equal(out[3], np.repeat(np.arange(nodes), local))
+
+
+def test_unbound_axis_is_a_clear_error():
+    comm = od.AxisComm("replica")
+    with pytest.raises(ValueError, match="axis 'replica' is not bound"):
+        jax.jit(lambda v: comm.psum(v))(jnp.ones(3))
+
+
+def test_group_sizes_must_divide_the_world():
+    with pytest.raises(ValueError, match="does not divide"):
+        od.mesh_hierarchy(3, 3)
+    with pytest.raises(ValueError, match="must equal the number of devices"):
+        od.mesh_hierarchy(2, 2)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="axis_name"):
+        od.AxisComm("")
+    comm = od.AxisComm("replica")
+    f = lambda perm: jax.vmap(lambda v: comm.permute(v, perm), axis_name="replica")(jnp.ones(2))
+    with pytest.raises(ValueError, match="out of range"):
+        f([(0, 2)])
+    with pytest.raises(ValueError, match="at most once"):
+        f([(0, 1), (1, 1)])
+    with pytest.raises(ValueError, match="root="):
+        jax.vmap(lambda v: comm.broadcast(v, 5), axis_name="replica")(jnp.ones(2))
+    with pytest.raises(ValueError, match="op="):
+        jax.vmap(lambda v: comm.agree(v > 0, op="most"), axis_name="replica")(jnp.ones(2))
+
+
+def test_mpi_comm_refuses_multi_device_computations():
+    comm = od.MpiComm()  # a world of one process outside mpirun
+    with pytest.raises(RuntimeError, match="one device per MPI process"):
+        mesh = jax.make_mesh((2,), ("replica",), devices=jax.devices()[:2])
+        od.on_mesh(lambda v: comm.psum(v), mesh)(jnp.ones(2))
+    with pytest.raises(RuntimeError, match="inside jax.vmap"):
+        jax.vmap(lambda v: comm.psum(v))(jnp.ones(2))
+
+
+def test_mpi_hierarchy_rejects_bad_split():
+    with pytest.raises(ValueError, match="local_size"):
+        od.mpi_hierarchy(0)
+    with pytest.raises(ValueError, match="does not divide"):
+        od.mpi_hierarchy(3)  # a world of one process
+
+
+def test_mpi_hierarchy_under_mpi(harness):
+    """Under mpirun with 4 processes: 2 nodes × 2. Elsewhere: the same groups with AxisComm."""
+    n = harness.n
+    if harness.name != "mpi":
+        return  # the vmap/mesh hierarchies are covered by test_hierarchy_vmap_and_mesh
+    local = 2 if n % 2 == 0 else 1
+    h = od.mpi_hierarchy(local)
+    x = np.arange(n, dtype=np.float32)
+    out = harness.run(lambda v: (h.local.psum(v), h.cross.psum(v)), x)
+    np.testing.assert_array_equal(out[0], np.repeat(x.reshape(-1, local).sum(1), local))
+    np.testing.assert_array_equal(out[1], np.tile(x.reshape(-1, local).sum(0), n // local))

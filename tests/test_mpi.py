@@ -1,0 +1,43 @@
+"""Run every harness test under ``mpirun -n 2`` and ``-n 4``: one replica per process, MpiComm."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS_TEST_FILES = [
+    "tests/test_comm.py",
+    "tests/test_allreduce.py",
+    "tests/test_loss_scale.py",
+]
+
+
+def _mpirun() -> str:
+    found = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or shutil.which("mpirun")
+    if found is None:
+        raise RuntimeError("mpirun not found: install the 'mpich' wheel (optaxdist[mpi])")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_harness_tests_under_mpirun(nproc):
+    env = dict(os.environ, OPTAXDIST_MPI="1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)  # one device per process
+    cmd = [
+        _mpirun(), "-n", str(nproc), sys.executable, "-m", "pytest", "-q", "-x",
+        "-p", "no:cacheprovider", *HARNESS_TEST_FILES,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    # every rank reports its own pytest summary; each must have run tests and passed them all
+    summaries = [line for line in out.splitlines() if " passed" in line and " in " in line]
+    assert len(summaries) == nproc, out[-6000:]
+    assert all("failed" not in s and "error" not in s for s in summaries), summaries
