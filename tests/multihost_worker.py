@@ -1,0 +1,61 @@
+"""One process of the 2-process ``jax.distributed`` test (started by tests/test_multihost.py).
+
+Each process owns 2 CPU devices of a 4-device global mesh, runs the allreduce + SGD trajectory of
+tests/test_allreduce.py through ``on_mesh`` on global arrays, and saves the rows it owns.
+"""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import optaxdist as od  # noqa: E402
+
+
+class MultiHostHarness:
+    name = "multihost"
+
+    def __init__(self):
+        self.n = jax.device_count()
+        self.comm = od.AxisComm(od.REPLICA_AXIS)
+        self.mesh = jax.make_mesh(
+            (self.n,), (od.REPLICA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,)
+        )
+        mine = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()]
+        self.rows = np.asarray(mine)
+
+    def run(self, step, *stacked):
+        local = jax.tree.map(lambda x: np.asarray(x)[self.rows], stacked)
+        args = od.global_replica_array(local, self.mesh)
+        out = od.on_mesh(step, self.mesh)(*args)
+        return jax.tree.map(
+            lambda x: np.concatenate([np.asarray(s.data) for s in sorted(
+                x.addressable_shards, key=lambda s: s.index[0].start or 0)]),
+            out,
+        )
+
+
+def main() -> None:
+    process_id, num_processes, port, out_path = sys.argv[1:5]
+    od.initialize_multihost(f"127.0.0.1:{port}", int(num_processes), int(process_id))
+    import optax
+
+    from tests.test_allreduce import run_trajectory
+
+    harness = MultiHostHarness()
+    params, state = run_trajectory(
+        harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(0.1, momentum=0.9))
+    )
+    np.savez(
+        out_path, rows=harness.rows, w=params["w"], b=params["b"],
+        bytes=od.comm_stats(state).bytes, n=harness.n,
+    )
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The contract every public transform keeps (DESIGN.md §6)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxdist as od
+
+COMM = od.AxisComm("replica")
+N = 2
+
+# name -> (factory of a transform, kwargs that must be rejected at construction)
+TRANSFORMS = {
+    "allreduce": (lambda **kw: od.allreduce(comm=COMM, **kw), dict(op="median")),
+    "allreduce_bf16_sum": (
+        lambda **kw: od.allreduce(comm=COMM, op="sum", dtype="bfloat16", divide_before=True, **kw),
+        dict(dtype="int4"),
+    ),
+    "allreduce_fp16_clip": (
+        lambda **kw: od.allreduce(comm=COMM, dtype="float16", clip_value=10.0, **kw),
+        dict(clip_value=0.0),
+    ),
+    "average_params": (lambda **kw: od.average_params(comm=COMM, **kw), dict(dtype="float64")),
+    "dynamic_loss_scale": (
+        lambda **kw: od.dynamic_loss_scale(
+            optax.chain(od.allreduce(comm=COMM), optax.sgd(0.1)), comm=COMM, **kw
+        ),
+        dict(growth_interval=-3),
+    ),
+    "mlbench_loss_scale": (
+        lambda **kw: od.mlbench_loss_scale(optax.sgd(0.1), comm=COMM, **kw), dict(min_scale=-1.0)
+    ),
+    "pytorch_loss_scale": (
+        lambda **kw: od.pytorch_loss_scale(optax.sgd(0.1), comm=COMM, **kw),
+        dict(backoff_factor=0.0),
+    ),
+    "skip_nonfinite": (lambda **kw: od.skip_nonfinite(optax.sgd(0.1), comm=COMM, **kw), None),
+    "singa_sgd": (
+        lambda **kw: od.singa_sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
+        dict(momentum=-0.5),
+    ),
+}
+
+
+def make_params(dtype=jnp.float32):
+    return {"w": jnp.ones((3, 2), dtype), "b": jnp.zeros((2,), dtype), "s": jnp.ones((), dtype)}
+
+
+def stacked(tree):
+    return od.replicate(tree, N)
+
+
+@pytest.fixture(params=sorted(TRANSFORMS))
+def factory(request):
+    return TRANSFORMS[request.param][0]
+
+
+def test_composes_in_chain_and_steps(factory):
+    tx = optax.chain(optax.clip_by_global_norm(1.0), factory(), optax.scale(1.0))
+
+    def step(p):
+        s = tx.init(p)
+        u, s = tx.update(jax.tree.map(jnp.ones_like, p), s, p)
+        return optax.apply_updates(p, u), s
+
+    new_params, _ = od.simulate(step)(stacked(make_params()))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(new_params))
+
+
+def test_jit_does_not_recompile(factory):
+    tx = factory()
+    traces = []
+
+    def step(p, s):
+        traces.append(1)
+        u, s = tx.update(jax.tree.map(jnp.ones_like, p), s, p)
+        return optax.apply_updates(p, u), s
+
+    run = od.simulate(step)
+    p = stacked(make_params())
+    s = jax.vmap(tx.init)(p)
+    p, s = run(p, s)
+    p, s = run(p, s)
+    p, s = run(p, s)
+    assert len(traces) == 1
+
+
+def test_init_on_abstract_shapes_and_state_stable(factory):
+    tx = factory()
+    p = make_params()
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), p)
+    abstract_state = jax.eval_shape(tx.init, abstract)
+    state = tx.init(p)
+    shapes = lambda t: [(x.shape, jnp.dtype(x.dtype)) for x in jax.tree.leaves(t)]
+    assert jax.tree.structure(abstract_state) == jax.tree.structure(state)
+    assert shapes(abstract_state) == shapes(state)
+
+    def step(q):
+        s = tx.init(q)
+        _, s2 = tx.update(jax.tree.map(jnp.ones_like, q), s, q)
+        return s, s2
+
+    before, after = od.simulate(step)(stacked(p))
+    assert jax.tree.structure(before) == jax.tree.structure(after)
+    assert shapes(before) == shapes(after)
+
+
+def test_bf16_params_keep_their_dtype(factory):
+    tx = factory()
+
+    def step(q):
+        u, _ = tx.update(jax.tree.map(jnp.ones_like, q), tx.init(q), q)
+        return optax.apply_updates(q, u), u
+
+    new_params, updates = od.simulate(step)(stacked(make_params(jnp.bfloat16)))
+    for leaf in jax.tree.leaves((new_params, updates)):
+        assert leaf.dtype == jnp.bfloat16
+
+
+def test_unknown_extra_args_are_ignored(factory):
+    tx = factory()
+
+    def step(q):
+        g = jax.tree.map(jnp.ones_like, q)
+        a, _ = tx.update(g, tx.init(q), q)
+        b, _ = tx.update(g, tx.init(q), q, value=jnp.float32(3.0), some_future_arg="x")
+        return a, b
+
+    a, b = od.simulate(step)(stacked(make_params()))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, bad) in TRANSFORMS.items() if bad))
+def test_bad_hyperparameters_fail_at_construction(name):
+    factory, bad = TRANSFORMS[name]
+    with pytest.raises((ValueError, TypeError)) as info:
+        factory(**bad)
+    assert any(key in str(info.value) for key in bad)
