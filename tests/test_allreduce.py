@@ -174,10 +174,9 @@ def test_mlbench_custom_centralized_clips_the_averaged_gradient(harness):
 def test_world_size_one_equals_inner_optimizer():
     from tests.harness import VmapHarness
 
-    params, _ = run_trajectory(
-        VmapHarness(1), lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(LR, momentum=0.9, nesterov=True))
-    )
-    ref, _ = run_trajectory(VmapHarness(1), lambda c: optax.sgd(LR, momentum=0.9, nesterov=True))
+    inner = lambda: optax.sgd(LR, momentum=0.9, nesterov=True)
+    params, _ = run_trajectory(VmapHarness(1), lambda c: optax.chain(od.allreduce(comm=c), inner()))
+    ref, _ = run_trajectory(VmapHarness(1), lambda c: inner())
     for k in ref:
         np.testing.assert_array_equal(params[k], ref[k])
 
