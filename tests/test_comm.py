@@ -145,3 +145,9 @@ def test_mpi_hierarchy_under_mpi(harness):
     out = harness.run(lambda v: (h.local.psum(v), h.cross.psum(v)), x)
     np.testing.assert_array_equal(out[0], np.repeat(x.reshape(-1, local).sum(1), local))
     np.testing.assert_array_equal(out[1], np.tile(x.reshape(-1, local).sum(0), n // local))
+
+
+def test_pmean_rejects_integer_leaves():
+    comm = od.AxisComm("replica")
+    with pytest.raises(TypeError, match="floating-point"):
+        jax.vmap(lambda v: comm.pmean(v), axis_name="replica")(jnp.ones(2, jnp.int32))

@@ -83,6 +83,9 @@ class Communicator(abc.ABC):
 
     def pmean(self, tree: PyTree, *, dtype: Any = None) -> PyTree:
         """All-reduce mean: ``psum`` followed by division by ``size`` in each leaf's dtype."""
+        for x in jax.tree.leaves(tree):
+            if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+                raise TypeError(f"pmean needs floating-point leaves, got {jnp.asarray(x).dtype}")
         inv = 1.0 / self.size
         return jax.tree.map(lambda s: s * jnp.asarray(inv, s.dtype), self.psum(tree, dtype=dtype))
 
