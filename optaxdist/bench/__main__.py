@@ -1,0 +1,124 @@
+"""Command line: ``optaxdist bench [options]``, or ``python -m optaxdist.bench [bench] [options]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from optaxdist.bench import cost
+from optaxdist.bench.algorithms import ALGORITHMS, DEFAULT_ALGORITHMS
+from optaxdist.bench.data import DATASETS, SHARDINGS
+
+SUBCOMMANDS = ("bench",)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="optaxdist", description="optaxdist command line (see docs/benchmarks.md)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser(
+        "bench", help="benchmark the registered algorithms",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Train a Flax MLP with N simulated replicas per algorithm and report loss, "
+        "accuracy, bytes sent per replica, measured compute and modelled network time.",
+    )
+    b.add_argument("--suite", choices=("train", "overhead"), default="train",
+                   help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd")
+    b.add_argument("--dataset", choices=DATASETS, default="digits")
+    b.add_argument("--replicas", type=int, default=8, help="simulated replicas N")
+    b.add_argument("--shards", choices=SHARDINGS, default="iid",
+                   help="iid: random split; skewed: sorted by label, then split")
+    b.add_argument("--batch-size", type=int, default=32, help="minibatch per replica")
+    b.add_argument("--steps", type=int, default=500)
+    b.add_argument("--lr", type=float, default=0.05)
+    b.add_argument("--momentum", type=float, default=0.9, help="of the local optax.sgd")
+    b.add_argument("--hidden", default="128,128", help="MLP hidden widths")
+    b.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
+                   help=f"comma list of: {', '.join(ALGORITHMS)}")
+    b.add_argument("--network", choices=tuple(cost.NETWORKS), default="10GbE",
+                   help="link between nodes for the cost model")
+    b.add_argument("--nodes", type=int, default=None,
+                   help="nodes the replicas are spread over (default: one replica per node; "
+                   "1 = all on one node, modelled with nvlink)")
+    b.add_argument("--log-every", type=int, default=25, help="record the loss curve every k steps")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--out", default="bench_results", help="directory for JSON and PNG output")
+    b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    b.add_argument("--list", action="store_true", help="list the algorithms and exit")
+    o = b.add_argument_group("overhead suite")
+    o.add_argument("--backend", choices=("simulate", "mesh"), default="simulate",
+                   help="mesh: force --replicas host devices and time on_mesh too")
+    o.add_argument("--sizes", default="1M,25M", help="parameter counts")
+    o.add_argument("--repeats", type=int, default=11, help="timed runs per measurement")
+    return parser
+
+
+def _force_host_devices(n: int) -> None:
+    """Ask XLA for ``n`` CPU devices; effective if no JAX backend has been initialised yet."""
+    flag = f"--xla_force_host_platform_device_count={n}"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``optaxdist`` console script and of ``python -m optaxdist.bench``.
+
+    With no subcommand (or options only) it runs ``bench``.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["bench", *argv]
+    args = _parser().parse_args(argv)
+
+    if args.list:
+        for a in ALGORITHMS.values():
+            print(f"{a.name:<16} {a.description}")
+        return 0
+
+    if args.suite == "overhead":
+        if args.backend == "mesh":
+            _force_host_devices(args.replicas)  # before the first JAX computation
+        from optaxdist.bench.overhead import parse_size, run_overhead
+
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        harnesses = ("simulate", "mesh") if args.backend == "mesh" else ("simulate",)
+        record = run_overhead(sizes, replicas=args.replicas, harnesses=harnesses,
+                              repeats=args.repeats, progress=not args.quiet)
+        from optaxdist.bench.run import environment
+
+        record["environment"] = environment()
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, f"overhead_{args.backend}.json")
+            with open(path, "w") as f:
+                json.dump(record, f, indent=1)
+            if not args.quiet:
+                print(f"wrote {path}", file=sys.stderr)
+        return 0
+
+    from optaxdist.bench.run import BenchConfig, as_tuple, parse_hidden, run_bench
+
+    try:
+        cfg = BenchConfig(
+            dataset=args.dataset, replicas=args.replicas, shards=args.shards,
+            batch_size=args.batch_size, steps=args.steps, lr=args.lr, momentum=args.momentum,
+            hidden=parse_hidden(args.hidden), algorithms=as_tuple(args.algorithms),
+            network=args.network, nodes=args.nodes, log_every=args.log_every, seed=args.seed,
+            out=args.out or None, plots=not args.no_plots, progress=not args.quiet,
+        )
+    except ValueError as e:
+        print(f"optaxdist bench: error: {e}", file=sys.stderr)
+        return 2
+    run_bench(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""The training benchmark: every registered algorithm on the same data, model and replicas.
+
+Each replica draws its own minibatches (uniformly, with replacement, from its shard) with a key
+derived from ``(seed, step, replica)``; all algorithms start from the same parameters. The
+simulated step (``optaxdist.simulate``: ``jax.vmap`` over the axis ``"replica"``) runs
+``log_every`` steps per call of one jitted ``fori_loop``; after each call the train loss on the
+whole training set and the test accuracy of replica 0's parameters are recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optaxdist
+from optaxdist.bench import cost
+from optaxdist.bench.algorithms import (
+    DEFAULT_ALGORITHMS,
+    Algorithm,
+    get_algorithms,
+    local_optimizer,
+)
+from optaxdist.bench.data import Dataset, load_dataset, make_shards
+from optaxdist.bench.models import MLP, accuracy, cross_entropy, init_params
+
+FP32_REFERENCE = "allreduce-fp32"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Everything a training benchmark run depends on (recorded in the JSON)."""
+
+    dataset: str = "digits"
+    replicas: int = 8
+    shards: str = "iid"
+    batch_size: int = 32
+    steps: int = 500
+    lr: float = 0.05
+    momentum: float = 0.9
+    hidden: tuple[int, ...] = (128, 128)
+    algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
+    network: str = "10GbE"
+    nodes: int | None = None
+    log_every: int = 25
+    seed: int = 0
+    out: str | None = "bench_results"
+    plots: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("replicas", "batch_size", "steps", "log_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive int")
+        nodes = self.num_nodes
+        if not 1 <= nodes <= self.replicas:
+            raise ValueError(f"nodes={nodes} must be between 1 and replicas={self.replicas}")
+        cost.get_network(self.network)
+        get_algorithms(list(self.algorithms))
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the replicas are spread over (default: one replica per node)."""
+        return self.replicas if self.nodes is None else self.nodes
+
+    @property
+    def tag(self) -> str:
+        """File name stem of this run's outputs."""
+        return f"bench_{self.dataset}_{self.shards}"
+
+
+def _log(msg: str, enabled: bool = True) -> None:
+    if enabled:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run_algorithm(
+    cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
+) -> dict[str, Any]:
+    """Train ``algo`` for ``cfg.steps`` steps from ``params0`` and return its result record."""
+    n = 1 if algo.single else cfg.replicas
+    batch = cfg.batch_size * cfg.replicas if algo.single else cfg.batch_size
+    if algo.single:
+        shard_idx = np.arange(len(data.y_train))[None]
+    else:
+        shard_idx = make_shards(data.y_train, n, cfg.shards, seed=cfg.seed)  # type: ignore[arg-type]
+    xs, ys = jnp.asarray(data.x_train[shard_idx]), jnp.asarray(data.y_train[shard_idx])
+    model = MLP(cfg.hidden, data.num_classes)
+    comm = optaxdist.AxisComm(optaxdist.REPLICA_AXIS)
+    tx = algo.make(comm, local_optimizer(cfg.lr, cfg.momentum))
+
+    def replica_step(params, opt_state, x, y, key):
+        idx = jax.random.randint(key, (batch,), 0, x.shape[0])
+        loss, grads = jax.value_and_grad(lambda p: cross_entropy(model, p, x[idx], y[idx]))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    simulated = optaxdist.simulate(replica_step, jit=False)
+
+    def chunk(params, opt_state, x, y, key, start, count):
+        def body(i, carry):
+            p, s, acc = carry
+            keys = jax.random.split(jax.random.fold_in(key, i), n)
+            p, s, loss = simulated(p, s, x, y, keys)
+            return p, s, acc + loss.mean()
+
+        p, s, acc = jax.lax.fori_loop(start, start + count, body, (params, opt_state, 0.0))
+        return p, s, acc / count.astype(jnp.float32)
+
+    @jax.jit
+    def evaluate(params):
+        p0 = jax.tree.map(lambda a: a[0], params)
+        xtr, ytr = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
+        xte, yte = jnp.asarray(data.x_test), jnp.asarray(data.y_test)
+        return cross_entropy(model, p0, xtr, ytr), accuracy(model, p0, xte, yte)
+
+    params = optaxdist.replicate(params0, n)
+    opt_state = jax.vmap(tx.init)(params)
+    key = jax.random.key(cfg.seed + 1)
+    t0 = time.perf_counter()
+    compiled = (
+        jax.jit(chunk, donate_argnums=(0, 1))
+        .lower(params, opt_state, xs, ys, key, np.int32(0), np.int32(cfg.log_every))
+        .compile()
+    )
+    compile_s = time.perf_counter() - t0
+
+    loss0, acc0 = evaluate(params)
+    curve = {"step": [0], "train_loss": [float(loss0)], "test_accuracy": [float(acc0)],
+             "bytes": [0], "minibatch_loss": [None]}
+    step, per_step_s, last_report = 0, [], 0
+    while step < cfg.steps:
+        count = min(cfg.log_every, cfg.steps - step)
+        t = time.perf_counter()
+        params, opt_state, mb_loss = compiled(
+            params, opt_state, xs, ys, key, np.int32(step), np.int32(count)
+        )
+        jax.block_until_ready((params, opt_state, mb_loss))
+        per_step_s.append((time.perf_counter() - t) / count)
+        step += count
+        loss, acc = evaluate(params)
+        curve["step"].append(step)
+        curve["train_loss"].append(float(loss))
+        curve["test_accuracy"].append(float(acc))
+        curve["bytes"].append(optaxdist.comm_stats(opt_state).bytes)
+        curve["minibatch_loss"].append(float(mb_loss))
+        if step - last_report >= max(cfg.steps // 4, 1) or step == cfg.steps:
+            last_report = step
+            _log(f"  {algo.name:<16} step {step:>5}/{cfg.steps}  train loss {float(loss):.4f}  "
+                 f"test acc {float(acc):.4f}", cfg.progress)
+
+    stats = optaxdist.comm_stats(opt_state)
+    by_kind = {
+        k: {"collectives": t.collectives, "bytes": t.bytes} for k, t in stats.by_kind.items()
+    }
+    fp32_bytes = optaxdist.payload_bytes(params0, jnp.float32) * cfg.steps
+    compute_s = statistics.median(per_step_s) / n
+    link = cost.link_for(cfg.network, cfg.num_nodes)
+    comm_s = cost.comm_time_per_step(
+        {k: (t.collectives, t.bytes) for k, t in stats.by_kind.items()}, cfg.steps, n, link
+    )
+    return {
+        "algorithm": algo.name,
+        "description": algo.description,
+        "replicas": n,
+        "batch_per_replica": batch,
+        "steps": cfg.steps,
+        "final_train_loss": curve["train_loss"][-1],
+        "test_accuracy": curve["test_accuracy"][-1],
+        "bytes_per_replica": stats.bytes,
+        "collectives_per_replica": stats.collectives,
+        "bytes_by_kind": by_kind,
+        "reduction_vs_fp32": (fp32_bytes / stats.bytes) if stats.bytes else None,
+        "compile_s": compile_s,
+        "simulated_step_s": statistics.median(per_step_s),
+        "compute_s_per_step": compute_s,
+        "comm_s_per_step_model": comm_s,
+        "modelled_s_per_step": compute_s + comm_s,
+        "curve": curve,
+    }
+
+
+def environment() -> dict[str, Any]:
+    """Versions and hardware the numbers were measured on."""
+    return {
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "optaxdist": optaxdist.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run every algorithm of ``cfg``, print the table, write JSON (and plots) under ``cfg.out``.
+
+    Returns:
+      The JSON record: ``config``, ``environment``, ``dataset``, ``model``, ``cost_model``,
+      ``results`` (one record per algorithm) and ``wall_s``.
+    """
+    t_start = time.perf_counter()
+    data = load_dataset(cfg.dataset, seed=cfg.seed)  # type: ignore[arg-type]
+    model = MLP(cfg.hidden, data.num_classes)
+    params0 = init_params(model, data.x_train.shape[1], cfg.seed)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
+    link = cost.link_for(cfg.network, cfg.num_nodes)
+    _log(f"optaxdist bench: {cfg.dataset} ({len(data.y_train)} train / {len(data.y_test)} test), "
+         f"MLP {list(cfg.hidden)} ({n_params} params), {cfg.replicas} replicas, {cfg.shards} "
+         f"shards, batch {cfg.batch_size}/replica, {cfg.steps} steps", cfg.progress)
+    results = []
+    for algo in get_algorithms(list(cfg.algorithms)):
+        _log(f"[{algo.name}] compiling and training ...", cfg.progress)
+        results.append(run_algorithm(cfg, data, algo, params0))
+    record = {
+        "config": dataclasses.asdict(cfg),
+        "environment": environment(),
+        "dataset": {"name": data.name, "train": len(data.y_train), "test": len(data.y_test),
+                    "features": int(data.x_train.shape[1]), "classes": data.num_classes},
+        "model": {"kind": "MLP", "hidden": list(cfg.hidden), "parameters": n_params,
+                  "param_bytes_fp32": optaxdist.payload_bytes(params0, jnp.float32)},
+        "cost_model": {"network": link.name, "bandwidth_Bps": link.bandwidth,
+                       "latency_s": link.latency, "nodes": cfg.num_nodes,
+                       "requested_network": cfg.network},
+        "results": results,
+    }
+    record["wall_s"] = time.perf_counter() - t_start
+    print(format_table(record))
+    if cfg.out:
+        paths = write_outputs(record, cfg.out, cfg.tag, plots=cfg.plots)
+        _log("wrote " + ", ".join(paths), cfg.progress)
+    return record
+
+
+def write_outputs(record: dict[str, Any], out: str, tag: str, *, plots: bool = True) -> list[str]:
+    """Write ``<out>/<tag>.json`` and, with ``plots``, the PNG figures; return the paths."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{tag}.json")
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    paths = [path]
+    if plots:
+        from optaxdist.bench.plots import plot_curves
+
+        paths += plot_curves(record, out, tag)
+    return paths
+
+
+def _fmt_bytes(b: int) -> str:
+    return f"{b / 1e6:.2f}" if b else "0"
+
+
+def format_table(record: dict[str, Any]) -> str:
+    """A Markdown table of ``record["results"]`` (also readable in a terminal)."""
+    cm = record["cost_model"]
+    net = f"{cm['network']}, {cm['nodes']} node{'s' if cm['nodes'] > 1 else ''}"
+    header = ["algorithm", "train loss", "test acc", "steps", "MB sent/replica", "vs fp32 AR",
+              "compute ms/step (1 replica, est.)", f"comm ms/step (model, {net})",
+              "modelled ms/step"]
+    rows = []
+    for r in record["results"]:
+        red = r["reduction_vs_fp32"]
+        rows.append([
+            r["algorithm"], f"{r['final_train_loss']:.4f}", f"{r['test_accuracy']:.4f}",
+            str(r["steps"]), _fmt_bytes(r["bytes_per_replica"]),
+            "—" if red is None else f"{red:.2f}×",
+            f"{r['compute_s_per_step'] * 1e3:.3f}", f"{r['comm_s_per_step_model'] * 1e3:.3f}",
+            f"{r['modelled_s_per_step'] * 1e3:.3f}",
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def parse_hidden(text: str) -> tuple[int, ...]:
+    """``"128,128"`` → ``(128, 128)``."""
+    hidden = tuple(int(s) for s in text.split(",") if s.strip())
+    if not hidden or min(hidden) < 1:
+        raise ValueError(f"--hidden {text!r} must be a comma list of positive ints")
+    return hidden
+
+
+def as_tuple(names: str | Sequence[str]) -> tuple[str, ...]:
+    """A comma list (or sequence) of names as a tuple."""
+    if isinstance(names, str):
+        return tuple(s.strip() for s in names.split(",") if s.strip())
+    return tuple(names)
+
+

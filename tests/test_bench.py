@@ -1,0 +1,119 @@
+"""The benchmark harness: a tiny in-process run, its JSON record, and the network cost model.
+
+Timings are never asserted (benchmarks are not tests); only structure and exact byte counts are.
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+from optaxdist.bench import cost
+from optaxdist.bench.__main__ import main
+from optaxdist.bench.data import load_dataset, make_shards
+
+STEPS, REPLICAS = 20, 2
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rc = main([
+        "bench", "--algorithms", "allreduce-fp32,allreduce-bf16", "--steps", str(STEPS),
+        "--replicas", str(REPLICAS), "--log-every", "10", "--hidden", "16",
+        "--out", str(out), "--quiet", "--network", "100Gb",
+    ])
+    assert rc == 0
+    with open(out / "bench_digits_iid.json") as f:
+        rec = json.load(f)
+    rec["_out"] = out
+    return rec
+
+
+def test_record_fields(record):
+    assert {"config", "environment", "dataset", "model", "cost_model", "results"} <= set(record)
+    assert [r["algorithm"] for r in record["results"]] == ["allreduce-fp32", "allreduce-bf16"]
+    for r in record["results"]:
+        for field in ("final_train_loss", "test_accuracy", "steps", "bytes_per_replica",
+                      "reduction_vs_fp32", "compute_s_per_step", "comm_s_per_step_model",
+                      "modelled_s_per_step", "curve"):
+            assert field in r
+        assert r["steps"] == STEPS
+        assert np.isfinite(r["final_train_loss"])
+        assert r["curve"]["step"] == [0, 10, 20]
+        assert len(r["curve"]["train_loss"]) == 3
+    assert record["cost_model"]["network"] == "100Gb"
+    for name in ("loss_vs_step", "loss_vs_bytes", "loss_vs_modelled_time"):
+        assert (record["_out"] / f"bench_digits_iid_{name}.png").stat().st_size > 0
+
+
+def test_bytes_match_formula(record):
+    # MLP 64 -> 16 -> 10: one all-reduce of every parameter per step.
+    n_params = 64 * 16 + 16 + 16 * 10 + 10
+    assert record["model"]["parameters"] == n_params
+    fp32, bf16 = record["results"]
+    assert fp32["bytes_per_replica"] == 4 * n_params * STEPS
+    assert fp32["bytes_by_kind"] == {
+        "all_reduce[float32]": {"collectives": STEPS, "bytes": 4 * n_params * STEPS}
+    }
+    assert bf16["bytes_per_replica"] == 2 * n_params * STEPS
+    assert fp32["curve"]["bytes"] == [0, 4 * n_params * 10, 4 * n_params * 20]
+    assert fp32["reduction_vs_fp32"] == 1.0
+    assert bf16["reduction_vs_fp32"] == 2.0
+
+
+def test_modelled_time_is_compute_plus_ring_allreduce(record):
+    net = cost.NETWORKS["100Gb"]
+    for r in record["results"]:
+        per_event = r["bytes_per_replica"] / STEPS
+        n = REPLICAS
+        expected = 2 * (n - 1) / n * per_event / net.bandwidth + 2 * (n - 1) * net.latency
+        assert r["comm_s_per_step_model"] == pytest.approx(expected, rel=1e-12)
+        assert r["modelled_s_per_step"] == pytest.approx(
+            r["compute_s_per_step"] + expected, rel=1e-12
+        )
+
+
+@pytest.mark.parametrize("network", ["10GbE", "100Gb", "400Gb", "nvlink"])
+@pytest.mark.parametrize("n", [2, 8, 64])
+def test_ring_allreduce_formula(network, n):
+    net = cost.NETWORKS[network]
+    s = 26_122 * 4
+    expected = 2 * (n - 1) / n * s / net.bandwidth + 2 * (n - 1) * net.latency
+    for kind in ("all_reduce[float32]", "param_average[bfloat16]", "agree[int32]", "all_reduce"):
+        assert cost.collective_time(kind, s, n, network) == pytest.approx(expected, rel=1e-12)
+
+
+def test_cost_model_constants_and_edge_cases():
+    assert cost.NETWORKS["10GbE"].bandwidth == 1.25e9
+    assert cost.NETWORKS["nvlink"].bandwidth == 450e9
+    net = cost.NETWORKS["10GbE"]
+    assert cost.collective_time("all_gather[float32]", 1000, 4, net) == pytest.approx(
+        3 * 1000 / net.bandwidth + 3 * net.latency
+    )
+    assert cost.collective_time("permute[float32]", 1000, 4, net) == pytest.approx(
+        1000 / net.bandwidth + net.latency
+    )
+    assert cost.collective_time("all_reduce[float32]", 10**6, 1, net) == 0.0
+    assert cost.link_for("10GbE", 1).name == "nvlink"
+    assert cost.link_for("10GbE", 2).name == "10GbE"
+    with pytest.raises(ValueError, match="no cost model"):
+        cost.collective_time("teleport[float32]", 10, 2, net)
+    with pytest.raises(ValueError, match="network"):
+        cost.get_network("carrier-pigeon")
+
+
+def test_shards():
+    data = load_dataset("digits")
+    assert len(data.y_train) + len(data.y_test) == 1797
+    iid = make_shards(data.y_train, 8, "iid")
+    skewed = make_shards(data.y_train, 8, "skewed")
+    assert iid.shape == skewed.shape == (8, len(data.y_train) // 8)
+    assert len(np.unique(iid)) == iid.size
+    assert max(len(np.unique(data.y_train[s])) for s in skewed) <= 3
+    assert min(len(np.unique(data.y_train[s])) for s in iid) == 10
+
+
+def test_cli_rejects_unknown_algorithm(capsys):
+    assert main(["--algorithms", "nope", "--quiet", "--out", ""]) == 2
+    assert "unknown algorithms" in capsys.readouterr().err
