@@ -1,5 +1,6 @@
 """optaxdist: distributed, communication-efficient training as composable Optax transformations."""
 
+from optaxdist import compress
 from optaxdist.accounting import CommLedger, CommStats, KindTotals, comm_stats, payload_bytes
 from optaxdist.comm import (
     AxisComm,
@@ -28,6 +29,12 @@ from optaxdist.transforms.allreduce import (
     allreduce,
     average_params,
 )
+from optaxdist.transforms.compressed import (
+    CompressedAllReduceState,
+    ExactWarmupState,
+    compressed_allreduce,
+    exact_warmup,
+)
 from optaxdist.transforms.loss_scale import (
     DynamicLossScaleState,
     dynamic_loss_scale,
@@ -47,6 +54,8 @@ __all__ = [
     "AxisComm",
     "CommLedger",
     "CommStats",
+    "CompressedAllReduceState",
+    "ExactWarmupState",
     "Communicator",
     "DynamicLossScaleState",
     "Hierarchy",
@@ -59,7 +68,10 @@ __all__ = [
     "axis_hierarchy",
     "broadcast_from_root",
     "comm_stats",
+    "compress",
+    "compressed_allreduce",
     "dynamic_loss_scale",
+    "exact_warmup",
     "global_replica_array",
     "initialize_multihost",
     "mesh_hierarchy",

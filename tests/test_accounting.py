@@ -11,7 +11,7 @@ import pytest
 import optaxdist as od
 from tests.problems import init_params
 
-HLO_DTYPES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "pred": 1}
+HLO_DTYPES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "s16": 2, "u8": 1, "pred": 1}
 
 
 def hlo_collective_payloads(fn, *args, op="all-reduce", compiled=False):

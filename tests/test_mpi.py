@@ -13,6 +13,7 @@ HARNESS_TEST_FILES = [
     "tests/test_comm.py",
     "tests/test_allreduce.py",
     "tests/test_loss_scale.py",
+    "tests/test_compress.py",
 ]
 
 

@@ -1,0 +1,32 @@
+"""Pure compressors: encode/decode of flat vectors, no communication inside."""
+
+from optaxdist.compress.base import Compressor
+from optaxdist.compress.cast import Cast, cast, round_to
+from optaxdist.compress.sign import Sign, sign
+from optaxdist.compress.sparse import (
+    BlockK,
+    RandomK,
+    Threshold,
+    TopK,
+    block_k,
+    random_k,
+    threshold,
+    top_k,
+)
+
+__all__ = [
+    "BlockK",
+    "Cast",
+    "Compressor",
+    "RandomK",
+    "Sign",
+    "Threshold",
+    "TopK",
+    "block_k",
+    "cast",
+    "random_k",
+    "round_to",
+    "sign",
+    "threshold",
+    "top_k",
+]

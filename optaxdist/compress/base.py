@@ -1,0 +1,73 @@
+"""The compressor interface: pure encode/decode of one flat float32 vector. No communication here;
+``compressed_allreduce`` moves the encodings with the communicator."""
+
+from __future__ import annotations
+
+import abc
+import math
+from typing import Any, ClassVar, Literal
+
+import jax
+import jax.numpy as jnp
+
+Payload = Any
+Exchange = Literal["all_reduce", "all_gather"]
+
+
+class Compressor(abc.ABC):
+    """Encode a flat float32 vector into a small payload with static shapes.
+
+    ``exchange`` says how replicas combine payloads:
+
+    * ``"all_reduce"``: payloads are *linear* (the sum of encodings decodes to the sum of the
+      decoded vectors), so they are summed with one all-reduce; ``combine`` decodes the sum and
+      divides by the number of replicas.
+    * ``"all_gather"``: every replica receives every payload (stacked on a leading axis) and
+      ``combine`` merges them (sparse scatter-add, majority vote, ...).
+
+    ``decode`` gives the vector this replica's payload stands for: error feedback keeps
+    ``x − decode(encode(x))`` as the residual.
+    """
+
+    exchange: ClassVar[Exchange] = "all_reduce"
+    needs_key: ClassVar[bool] = False
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str: ...
+
+    @abc.abstractmethod
+    def encode(self, x: jax.Array, key: jax.Array) -> Payload:
+        """Payload of the float32 vector ``x``; ``key`` is identical on every replica."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Payload, size: int, key: jax.Array) -> jax.Array:
+        """The float32 vector of length ``size`` that ``payload`` stands for."""
+
+    def combine(self, received: Payload, size: int, world: int, key: jax.Array) -> jax.Array:
+        """Merge what the collective returned into the averaged float32 vector."""
+        if self.exchange != "all_reduce":
+            raise NotImplementedError(f"{type(self).__name__} must define combine")
+        return self.decode(received, size, key) / jnp.float32(world)
+
+
+def resolve_k(size: int, fraction: float | None, count: int | None) -> int:
+    """Entries kept of a vector of ``size``: ``ceil(fraction·size)`` or ``count``, within [1, size]."""
+    k = math.ceil(fraction * size) if fraction is not None else int(count)
+    return max(1, min(size, k))
+
+
+def check_fraction_or_count(fraction: float | None, count: int | None) -> None:
+    if (fraction is None) == (count is None):
+        raise ValueError("give exactly one of fraction= (in (0, 1]) or count= (an int ≥ 1)")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} must be in (0, 1]")
+    if count is not None and (not isinstance(count, int) or count < 1):
+        raise ValueError(f"count={count!r} must be an int ≥ 1")
+
+
+def scatter(indices: jax.Array, values: jax.Array, size: int) -> jax.Array:
+    """Dense float32 vector with ``values`` added at ``indices`` (repeated indices add up)."""
+    return jnp.zeros((size,), jnp.float32).at[indices.reshape(-1)].add(
+        values.reshape(-1).astype(jnp.float32)
+    )

@@ -1,0 +1,232 @@
+"""Compressed gradient all-reduce with error feedback, and exact synchronization before compressing."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.flatten_util import ravel_pytree
+
+from optaxdist.accounting import CommLedger, payload_bytes
+from optaxdist.comm.base import Communicator
+from optaxdist.compress.base import Compressor
+from optaxdist.transforms.allreduce import allreduce
+
+SCOPES = ("leaf", "model")
+
+
+class CompressedAllReduceState(NamedTuple):
+    """State of ``compressed_allreduce``.
+
+    Attributes:
+      compress_step: steps taken (replicated); with ``seed`` it makes the keys of random
+        compressors, identical on every replica.
+      error: per-replica error-feedback residual, one array per gradient leaf in the residual
+        dtype (an empty tuple without error feedback).
+      compressed_ledger: what was sent (replicated).
+    """
+
+    compress_step: jax.Array
+    error: Any
+    compressed_ledger: CommLedger
+
+
+def compressed_allreduce(
+    compressor: Compressor,
+    *,
+    comm: Communicator,
+    error_feedback: bool = True,
+    scope: Literal["leaf", "model"] = "leaf",
+    residual_dtype: Any = jnp.float32,
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Average compressed gradients over ``comm``, keeping what was not sent for the next step.
+
+    With :math:`C` the compressor, :math:`D` its decoder, :math:`e_i` replica :math:`i`'s residual:
+
+    .. math::
+        v_i = g_i + e_i, \qquad e_i \leftarrow v_i - D(C(v_i)), \qquad
+        u = \mathrm{combine}_i\, C(v_i)
+
+    where ``combine`` is :math:`\frac1W\sum_i D(C(v_i))` for every compressor except the plain sign
+    (majority vote: :math:`\mathrm{sign}\sum_i \mathrm{sign}(v_i)`). Without error feedback,
+    :math:`e_i = 0`. ``sent + residual == v`` holds exactly for the sparsifiers and the casts.
+
+    Communication (per step, fused over leaves, ``W`` replicas, ``d`` elements per vector, ``k``
+    kept entries):
+
+    ============================  ==================  ===============================================
+    compressor                    collective          payload per replica
+    ============================  ==================  ===============================================
+    ``cast(bf16 | fp16)``         all-reduce          ``d`` × 2 bytes
+    ``top_k``                     all-gather          ``k`` int32 indices + ``k`` float32 values
+    ``random_k`` / ``block_k``    all-reduce          ``k`` float32 values (indices from a shared key)
+    ``threshold(mode="dense")``   all-reduce          ``d`` float32 (dense emulation)
+    ``threshold(mode="padded")``  all-gather          ``bound`` int32 + ``bound`` float32
+    ``sign()`` / ``sign(scaled)`` all-gather          ``ceil(d/8)`` bytes (+ one float32 if scaled)
+    ============================  ==================  ===============================================
+
+    Ledger kind: ``"<collective>[<compressor name>]"``, e.g. ``"all_gather[top_k]"``.
+
+    Args:
+      compressor: one of ``optaxdist.compress`` (``cast``, ``top_k``, ``random_k``, ``block_k``,
+        ``threshold``, ``sign``).
+      comm: the group of replicas.
+      error_feedback: keep the residual (per replica) and add it to the next gradient.
+      scope: ``"leaf"`` compresses each gradient leaf separately (k from each leaf's size);
+        ``"model"`` compresses the whole gradient as one vector.
+      residual_dtype: dtype of the residual and of the compression arithmetic (float32).
+      seed: base of the shared keys of random compressors (``random_k``, ``block_k``).
+
+    Example:
+      >>> tx = optax.chain(
+      ...     compressed_allreduce(optaxdist.compress.top_k(fraction=0.01), comm=comm),
+      ...     optax.sgd(0.1, momentum=0.9))  # doctest: +SKIP
+
+    References:
+      Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018. Karimireddy et al.,
+      "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML 2019. Bernstein
+      et al., "signSGD with Majority Vote is Communication Efficient and Fault Tolerant", ICLR 2019.
+      Apache SINGA ``DistOpt.backward_and_sparse_update``; mlbench ``CentralizedSparsifiedSGD``.
+    """
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be an optaxdist.compress compressor, got {compressor!r}")
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope={scope!r}; allowed: {SCOPES}")
+    residual_dtype = jnp.dtype(residual_dtype)
+    if not jnp.issubdtype(residual_dtype, jnp.floating):
+        raise ValueError(f"residual_dtype={residual_dtype} must be a floating-point dtype")
+    kind = f"{compressor.exchange}[{compressor.name}]"
+
+    def vectors_of(tree):
+        """The flat float vectors to compress, and the function that rebuilds the tree."""
+        if scope == "model":
+            flat, unravel = ravel_pytree(jax.tree.map(lambda x: x.astype(residual_dtype), tree))
+            return [flat], lambda vs: unravel(vs[0])
+        leaves, treedef = jax.tree.flatten(tree)
+        shapes = [x.shape for x in leaves]
+        vecs = [x.reshape(-1).astype(residual_dtype) for x in leaves]
+        return vecs, lambda vs: jax.tree.unflatten(
+            treedef, [v.reshape(s) for v, s in zip(vs, shapes)]
+        )
+
+    def keys(step, count):
+        base = jax.random.fold_in(jax.random.key(seed), step)
+        return [jax.random.fold_in(base, i) for i in range(count)]
+
+    def init_fn(params):
+        abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, residual_dtype), params)
+        vecs, _ = jax.eval_shape(lambda t: (vectors_of(t)[0], 0), abstract)
+        key = jax.random.key(0)
+        payload = [jax.eval_shape(compressor.encode, v, key) for v in vecs]
+        error = (
+            jax.tree.map(lambda p: jnp.zeros(p.shape, residual_dtype), params)
+            if error_feedback
+            else ()
+        )
+        return CompressedAllReduceState(
+            compress_step=jnp.zeros((), jnp.int32),
+            error=error,
+            compressed_ledger=CommLedger.create({kind: payload_bytes(payload)}),
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        v_tree = updates
+        if error_feedback:
+            v_tree = jax.tree.map(lambda g, e: g.astype(residual_dtype) + e, updates, state.error)
+        vecs, rebuild = vectors_of(v_tree)
+        ks = keys(state.compress_step, len(vecs))
+        payloads = [compressor.encode(v, k) for v, k in zip(vecs, ks)]
+        if compressor.exchange == "all_reduce":
+            received = comm.psum(payloads)
+        else:
+            received = comm.all_gather(payloads)
+        averaged = [
+            compressor.combine(r, v.shape[0], comm.size, k)
+            for r, v, k in zip(received, vecs, ks)
+        ]
+        out = jax.tree.map(lambda a, g: a.astype(g.dtype), rebuild(averaged), updates)
+        error = state.error
+        if error_feedback:
+            sent = [compressor.decode(p, v.shape[0], k) for p, v, k in zip(payloads, vecs, ks)]
+            error = jax.tree.map(
+                lambda v, s: (v - s.astype(residual_dtype)), v_tree, rebuild(sent)
+            )
+        return out, CompressedAllReduceState(
+            compress_step=optax.safe_increment(state.compress_step),
+            error=error,
+            compressed_ledger=state.compressed_ledger.record(kind),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class ExactWarmupState(NamedTuple):
+    """State of ``exact_warmup``: the step counter (replicated) and both transforms' states."""
+
+    warmup_step: jax.Array
+    exact_state: optax.OptState
+    compressed_state: optax.OptState
+
+
+def exact_warmup(
+    compressed: optax.GradientTransformation,
+    *,
+    comm: Communicator,
+    steps: int,
+    dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Exact all-reduce for the first ``steps`` steps, then ``compressed`` (its state untouched
+    until then, so error feedback starts from zero).
+
+    One knob for what the originals scatter: PyTorch PowerSGD's ``start_powerSGD_iter``, DGC's
+    warm-up, post-local SGD's switch point.
+
+    Communication: on steps ``< steps`` one all-reduce of every gradient element in ``dtype``
+    (ledger ``"all_reduce[...]"``); afterwards whatever ``compressed`` sends. The switch is a
+    ``lax.cond`` on a replicated counter, so only one of the two communicates on any step.
+
+    Args:
+      compressed: the transform to use after the warm-up (e.g. ``compressed_allreduce(...)``).
+      comm: the group of replicas.
+      steps: number of exact steps (≥ 0).
+      dtype: wire dtype of the exact all-reduce (None: the gradient's dtype).
+    """
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps={steps!r} must be an int ≥ 0")
+    exact = allreduce(comm=comm, dtype=dtype)
+    compressed = optax.with_extra_args_support(compressed)
+
+    def init_fn(params):
+        return ExactWarmupState(
+            warmup_step=jnp.zeros((), jnp.int32),
+            exact_state=exact.init(params),
+            compressed_state=compressed.init(params),
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        # Branch outputs are marked per-replica so both branches have the same type on a mesh.
+        def run_exact(_):
+            u, s = exact.update(updates, state.exact_state, params, **extra)
+            return comm.varying((u, s, state.compressed_state))
+
+        def run_compressed(_):
+            u, s = compressed.update(updates, state.compressed_state, params, **extra)
+            u = jax.tree.map(lambda a, g: a.astype(g.dtype), u, updates)
+            return comm.varying((u, state.exact_state, s))
+
+        out, exact_state, compressed_state = jax.lax.cond(
+            state.warmup_step < steps, run_exact, run_compressed, None
+        )
+        return out, ExactWarmupState(
+            warmup_step=jnp.minimum(state.warmup_step, steps) + 1,
+            exact_state=exact_state,
+            compressed_state=compressed_state,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

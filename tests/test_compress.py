@@ -1,0 +1,290 @@
+"""Compressors (pure) and compressed_allreduce with error feedback, on every harness."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxdist as od
+from optaxdist import compress
+from tests.test_accounting import HLO_DTYPES, hlo_collective_payloads
+
+KEY = jax.random.key(0)
+
+ALL = {
+    "cast_bf16": compress.cast("bfloat16"),
+    "cast_fp16": compress.cast("float16"),
+    "top_k": compress.top_k(fraction=0.25),
+    "random_k": compress.random_k(count=3),
+    "block_k": compress.block_k(count=4),
+    "threshold_dense": compress.threshold(0.5),
+    "threshold_padded": compress.threshold(0.5, mode="padded", max_fraction=0.3),
+    "sign_vote": compress.sign(),
+    "scaled_sign": compress.sign(scaled=True),
+}
+
+
+def grads(n, shape=(3, 4), seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "kernel": rng.normal(size=(n, *shape)).astype(np.float32) * 0.3,
+        "bias": rng.normal(size=(n, shape[-1])).astype(np.float32) * 0.3,
+    }
+
+
+def one_step(harness, compressor, g, **kw):
+    tx = od.compressed_allreduce(compressor, comm=harness.comm, **kw)
+    return harness.run(lambda x: tx.update(x, tx.init(x)), g)
+
+
+# ---- pure compressors --------------------------------------------------------------------------
+
+
+def test_top_k_is_true_magnitude_top_k_below_one():
+    x = jnp.asarray([0.1, -0.9, 0.3, 0.05, -0.4, 0.2], jnp.float32)  # all |x| < 1 (SINGA bug S1)
+    idx, vals = compress.top_k(count=3).encode(x, KEY)
+    assert sorted(np.asarray(idx).tolist()) == [1, 2, 4]
+    np.testing.assert_array_equal(np.sort(np.asarray(vals)), np.float32([-0.9, -0.4, 0.3]))
+
+
+def test_random_k_same_indices_for_the_same_key():
+    c = compress.random_k(fraction=0.3)
+    x = jnp.arange(1.0, 21.0)
+    a = c.decode(c.encode(x, KEY), 20, KEY)
+    b = c.decode(c.encode(x + 100, KEY), 20, KEY)
+    assert (np.asarray(a) != 0).sum() == 6
+    np.testing.assert_array_equal(np.asarray(a) != 0, np.asarray(b) != 0)
+
+
+def test_block_k_wraps_and_reaches_every_coordinate():
+    c = compress.block_k(count=3)
+    size = 10  # 10 mod 3 != 0: mlbench's blockwise never selects the tail
+    covered = np.zeros(size, bool)
+    for i in range(60):
+        key = jax.random.key(i)
+        sent = np.asarray(c.decode(c.encode(jnp.ones(size), key), size, key))
+        assert sent.sum() == 3
+        covered |= sent != 0
+    assert covered.all()
+
+
+def test_sign_round_trip_and_no_zero_in_the_code():
+    x = jnp.asarray([0.5, -2.0, 0.0, 3.0, -0.1, 1.0, -1.0, 2.0, -3.0], jnp.float32)
+    bits = compress.sign().encode(x, KEY)
+    assert bits.dtype == jnp.uint8 and bits.shape == (2,)
+    np.testing.assert_array_equal(compress.sign().decode(bits, 9, KEY), np.where(x >= 0, 1, -1))
+    scaled = compress.sign(scaled=True)
+    np.testing.assert_allclose(
+        scaled.decode(scaled.encode(x, KEY), 9, KEY), np.mean(np.abs(x)) * np.where(x >= 0, 1, -1)
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_sent_plus_residual_equals_input_exactly(name):
+    c = ALL[name]
+    x = jnp.asarray(np.random.default_rng(1).normal(size=37).astype(np.float32))
+    sent = c.decode(c.encode(x, KEY), 37, KEY)
+    residual = x - sent
+    if "sign" in name:  # x − s·sign(x) is rounded; its sum with the sent part is within an ulp
+        np.testing.assert_allclose(np.asarray(sent + residual), np.asarray(x), rtol=0, atol=1e-7)
+    else:
+        np.testing.assert_array_equal(np.asarray(sent + residual), np.asarray(x))
+    if name.startswith(("top", "random", "block", "threshold")):
+        # the sparsifiers send entries unchanged: sent and residual have disjoint supports
+        assert not np.any((np.asarray(sent) != 0) & (np.asarray(residual) != 0))
+
+
+def test_bf16_rounding_survives_compilation():
+    """XLA may delete f32→bf16→f32; the residual of a bf16 cast must still be non-zero."""
+    tx = od.compressed_allreduce(compress.cast("bfloat16"), comm=od.AxisComm("replica"))
+    g = jnp.full((2, 8), 1.0 + 2.0**-10, jnp.float32)  # not representable in bf16
+    state = jax.jit(jax.vmap(lambda x: tx.update(x, tx.init(x))[1], axis_name="replica"))(g)
+    np.testing.assert_allclose(np.asarray(state.error), 2.0**-10)
+    compiled = (
+        jax.jit(jax.vmap(lambda x: tx.update(x, tx.init(x))[1].error, axis_name="replica"))
+        .lower(g).compile().as_text()
+    )
+    assert "reduce-precision" in compiled
+
+
+# ---- compressed_allreduce on the harnesses -------------------------------------------------------
+
+
+def allreduce_mean(g):
+    return jax.tree.map(lambda x: np.broadcast_to(x.mean(0), x.shape), g)
+
+
+@pytest.mark.parametrize(
+    "c",
+    [compress.top_k(fraction=1.0), compress.threshold(0.0),
+     compress.threshold(0.0, mode="padded", max_fraction=1.0)],
+    ids=["top_k_all", "threshold_0_dense", "threshold_0_padded"],
+)
+@pytest.mark.parametrize("scope", ["leaf", "model"])
+def test_lossless_settings_equal_allreduce(harness, c, scope):
+    g = grads(harness.n)
+    out, state = one_step(harness, c, g, scope=scope)
+    for k in g:
+        np.testing.assert_allclose(out[k], allreduce_mean(g)[k], atol=1e-6)
+        np.testing.assert_array_equal(state.error[k], 0.0)
+
+
+def test_cast_equals_low_precision_allreduce(harness):
+    g = grads(harness.n)
+    out, _ = one_step(harness, compress.cast("bfloat16"), g)
+    rounded = {k: v.astype(jnp.bfloat16).astype(np.float32) for k, v in g.items()}
+    for k in g:
+        np.testing.assert_allclose(out[k], allreduce_mean(rounded)[k], rtol=1e-2, atol=1e-3)
+
+
+def test_top_k_sum_of_selected_divided_by_world(harness):
+    n = harness.n
+    g = grads(n)
+    out, state = one_step(harness, compress.top_k(count=2), g, error_feedback=True)
+    want = np.zeros_like(g["bias"])
+    for i in range(n):
+        sel = np.argsort(-np.abs(g["bias"][i]))[:2]
+        want[:, sel] += g["bias"][i, sel] / n
+    np.testing.assert_allclose(out["bias"], want, atol=1e-6)
+    np.testing.assert_allclose(state.error["bias"] + np.where(want != 0, 0, 0), state.error["bias"])
+    stats = od.comm_stats(state)
+    assert stats.by_kind == {"all_gather[top_k]": od.KindTotals(1, 2 * (2 * 4 + 2 * 4))}
+
+
+def test_majority_vote_against_numpy(harness):
+    g = grads(harness.n)
+    out, state = one_step(harness, compress.sign(), g, error_feedback=False)
+    for k in g:
+        votes = np.where(g[k] >= 0, 1, -1).sum(0)
+        np.testing.assert_array_equal(out[k], np.broadcast_to(np.sign(votes), g[k].shape))
+    assert state.error == () or jax.tree.leaves(state.error) == []
+    assert od.comm_stats(state).bytes == 2 + 1  # 12 bits -> 2 bytes, 4 bits -> 1 byte
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_zero_gradients_give_no_nan(harness, name):
+    g = jax.tree.map(np.zeros_like, grads(harness.n))
+    out, state = one_step(harness, ALL[name], g)
+    for leaf in jax.tree.leaves((out, state.error)):
+        assert np.isfinite(leaf).all()
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_any_leaf_shape_and_error_feedback_accumulates(harness, name):
+    n = harness.n
+    g = grads(n, shape=(2, 3, 5))
+    tx = od.compressed_allreduce(ALL[name], comm=harness.comm)
+
+    def two_steps(x):
+        s = tx.init(x)
+        _, s1 = tx.update(x, s)
+        u2, s2 = tx.update(x, s1)
+        return u2, s1.error, s2.error
+
+    u2, e1, e2 = harness.run(two_steps, g)
+    assert u2["kernel"].shape == (n, 2, 3, 5)
+    # second step compressed g + e1 and kept (g + e1) - sent
+    c = ALL[name]
+    step_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 1), 1)  # step 1, leaf 1
+    v = (g["kernel"][0] + e1["kernel"][0]).reshape(-1)
+    sent = np.asarray(c.decode(c.encode(jnp.asarray(v), step_key), v.size, step_key))
+    np.testing.assert_allclose(e2["kernel"][0].reshape(-1), v - sent, atol=1e-6)
+
+
+def test_same_numbers_on_every_harness(harness):
+    from tests.harness import VmapHarness
+
+    g = grads(harness.n)
+    for c in (compress.top_k(fraction=0.3), compress.random_k(count=3), compress.sign(scaled=True)):
+        out, state = one_step(harness, c, g)
+        ref, ref_state = one_step(VmapHarness(harness.n), c, g)
+        for k in g:
+            np.testing.assert_allclose(out[k], ref[k], atol=1e-6)
+            np.testing.assert_allclose(state.error[k], ref_state.error[k], atol=1e-6)
+
+
+def test_world_size_one_still_compresses():
+    from tests.harness import VmapHarness
+
+    g = grads(1)
+    out, state = one_step(VmapHarness(1), compress.top_k(count=1), g)
+    assert (out["bias"] != 0).sum() == 1
+    np.testing.assert_allclose(out["bias"] + state.error["bias"], g["bias"], atol=1e-7)
+
+
+def test_exact_warmup_then_compress(harness):
+    n = harness.n
+    g = grads(n)
+    tx = od.exact_warmup(
+        od.compressed_allreduce(compress.top_k(count=1), comm=harness.comm),
+        comm=harness.comm, steps=2,
+    )
+
+    def three(x):
+        s = tx.init(x)
+        u1, s = tx.update(x, s)
+        u2, s = tx.update(x, s)
+        e2 = s.compressed_state.error
+        u3, s = tx.update(x, s)
+        return u1, u2, e2, u3, s
+
+    u1, u2, e2, u3, s = harness.run(three, g)
+    for k in g:
+        np.testing.assert_allclose(u1[k], allreduce_mean(g)[k], atol=1e-6)
+        np.testing.assert_allclose(u2[k], allreduce_mean(g)[k], atol=1e-6)
+        np.testing.assert_array_equal(e2[k], 0.0)
+        assert (u3[k][0] != 0).sum() <= n
+    stats = od.comm_stats(s)
+    assert stats.by_kind["all_reduce[float32]"].collectives == 2
+    assert stats.by_kind["all_gather[top_k]"].collectives == 1
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_ledger_equals_compiled_collectives(name):
+    n = 4
+    mesh = jax.make_mesh((n,), ("replica",), devices=jax.devices()[:n],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    c = ALL[name]
+    tx = od.compressed_allreduce(c, comm=od.AxisComm("replica"))
+    g = grads(n, shape=(8, 16))
+    fn = od.on_mesh(lambda x: tx.update(x, tx.init(x)), mesh)
+    stats = od.comm_stats(fn(g)[1])
+    op = "all-gather" if c.exchange == "all_gather" else "all-reduce"
+    lowered = hlo_collective_payloads(fn, g, op=op)
+    scale = n if op == "all-gather" else 1  # an all-gather's result holds every replica's payload
+    assert sum(lowered.values()) == stats.bytes * scale
+    assert stats.collectives == 1
+    if name == "cast_bf16":
+        assert set(lowered) == {"bf16"}
+    if name == "top_k":
+        d = 8 * 16
+        k_kernel, k_bias = int(np.ceil(0.25 * d)), int(np.ceil(0.25 * 16))
+        assert lowered == {"s32": (k_kernel + k_bias) * 4 * n, "f32": (k_kernel + k_bias) * 4 * n}
+    assert all(dt in HLO_DTYPES for dt in lowered)
+
+
+def test_bad_arguments():
+    comm = od.AxisComm("replica")
+    with pytest.raises(ValueError, match="exactly one of fraction"):
+        compress.top_k()
+    with pytest.raises(ValueError, match="fraction="):
+        compress.random_k(fraction=1.5)
+    with pytest.raises(ValueError, match="count="):
+        compress.block_k(count=0)
+    with pytest.raises(ValueError, match="tau="):
+        compress.threshold(-1.0)
+    with pytest.raises(ValueError, match="mode="):
+        compress.threshold(0.1, mode="sparse")
+    with pytest.raises(ValueError, match="max_fraction"):
+        compress.threshold(0.1, max_count=3)
+    with pytest.raises(ValueError, match="dtype="):
+        compress.cast("float32")
+    with pytest.raises(TypeError, match="compressor"):
+        od.compressed_allreduce("top_k", comm=comm)
+    with pytest.raises(ValueError, match="scope="):
+        od.compressed_allreduce(compress.sign(), comm=comm, scope="layer")
+    with pytest.raises(ValueError, match="residual_dtype"):
+        od.compressed_allreduce(compress.sign(), comm=comm, residual_dtype=jnp.int32)
+    with pytest.raises(ValueError, match="steps="):
+        od.exact_warmup(optax.identity(), comm=comm, steps=-1)
