@@ -29,6 +29,11 @@ from optaxdist.transforms.allreduce import (
     allreduce,
     average_params,
 )
+from optaxdist.transforms.averaged_iterate import (
+    AveragedIterateState,
+    averaged_iterate,
+    averaged_params,
+)
 from optaxdist.transforms.compressed import (
     CompressedAllReduceState,
     ExactWarmupState,
@@ -43,6 +48,7 @@ from optaxdist.transforms.loss_scale import (
     scale_loss,
     skip_nonfinite,
 )
+from optaxdist.transforms.sign_sgd import SignSgdState, sign_sgd
 from optaxdist.transforms.singa import SingaSgdState, singa_exponential_decay, singa_sgd
 
 __version__ = "0.1.0"
@@ -51,6 +57,7 @@ __all__ = [
     "REPLICA_AXIS",
     "AllReduceState",
     "AverageParamsState",
+    "AveragedIterateState",
     "AxisComm",
     "CommLedger",
     "CommStats",
@@ -61,10 +68,13 @@ __all__ = [
     "Hierarchy",
     "KindTotals",
     "MpiComm",
+    "SignSgdState",
     "SingaSgdState",
     "allreduce",
     "assert_replicas_identical",
     "average_params",
+    "averaged_iterate",
+    "averaged_params",
     "axis_hierarchy",
     "broadcast_from_root",
     "comm_stats",
@@ -85,6 +95,7 @@ __all__ = [
     "replicate",
     "scale_loss",
     "simulate",
+    "sign_sgd",
     "singa_exponential_decay",
     "singa_sgd",
     "skip_nonfinite",

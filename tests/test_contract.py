@@ -37,6 +37,29 @@ TRANSFORMS = {
         dict(backoff_factor=0.0),
     ),
     "skip_nonfinite": (lambda **kw: od.skip_nonfinite(optax.sgd(0.1), comm=COMM, **kw), None),
+    "compressed_top_k": (
+        lambda **kw: od.compressed_allreduce(od.compress.top_k(fraction=0.5), comm=COMM, **kw),
+        dict(scope="block"),
+    ),
+    "compressed_sign_model": (
+        lambda **kw: od.compressed_allreduce(od.compress.sign(scaled=True), comm=COMM,
+                                             scope="model", **kw),
+        dict(residual_dtype=jnp.int8),
+    ),
+    "compressed_random_k_no_ef": (
+        lambda **kw: od.compressed_allreduce(od.compress.random_k(count=2), comm=COMM,
+                                             error_feedback=False, **kw),
+        None,
+    ),
+    "exact_warmup": (
+        lambda **kw: od.exact_warmup(
+            od.compressed_allreduce(od.compress.cast("float16"), comm=COMM), comm=COMM,
+            **({"steps": 1} | kw),
+        ),
+        dict(steps=-2),
+    ),
+    "sign_sgd": (lambda **kw: od.sign_sgd(0.1, momentum=0.9, **kw), dict(weight_decay=-1.0)),
+    "averaged_iterate": (lambda **kw: od.averaged_iterate(**({"shift": 3.0} | kw)), dict(shift=0.0)),
     "singa_sgd": (
         lambda **kw: od.singa_sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
         dict(momentum=-0.5),
