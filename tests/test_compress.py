@@ -259,7 +259,7 @@ def test_ledger_equals_compiled_collectives(name):
         assert set(lowered) == {"bf16"}
     if name == "top_k":
         d = 8 * 16
-        k_kernel, k_bias = int(np.ceil(0.25 * d)), int(np.ceil(0.25 * 16))
+        k_kernel, k_bias = int(np.floor(0.25 * d)), int(np.floor(0.25 * 16))
         assert lowered == {"s32": (k_kernel + k_bias) * 4 * n, "f32": (k_kernel + k_bias) * 4 * n}
     assert all(dt in HLO_DTYPES for dt in lowered)
 

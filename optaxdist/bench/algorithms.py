@@ -46,6 +46,44 @@ def _allreduce(dtype) -> Factory:
     return lambda comm, local: optax.chain(optaxdist.allreduce(comm=comm, dtype=dtype), local)
 
 
+def _compressed(compressor, error_feedback: bool = True, scope: str = "model") -> Factory:
+    return lambda comm, local: optax.chain(
+        optaxdist.compressed_allreduce(
+            compressor, comm=comm, error_feedback=error_feedback, scope=scope
+        ),
+        local,
+    )
+
+
+def _with_and_without_ef(name: str, compressor, description: str) -> list[Algorithm]:
+    return [
+        Algorithm(f"{name}-ef", _compressed(compressor), f"{description}, error feedback"),
+        Algorithm(name, _compressed(compressor, error_feedback=False), description),
+    ]
+
+
+C = optaxdist.compress
+
+COMPRESSION_ALGORITHMS: list[Algorithm] = [
+    *_with_and_without_ef("cast-bf16", C.cast("bfloat16"), "bf16 cast all-reduce"),
+    *_with_and_without_ef("topk-1%", C.top_k(fraction=0.01), "top-1% (index, value) all-gather"),
+    *_with_and_without_ef("randomk-1%", C.random_k(fraction=0.01), "random 1% (shared key)"),
+    *_with_and_without_ef("blockk-1%", C.block_k(fraction=0.01), "contiguous 1% block"),
+    *_with_and_without_ef(
+        "threshold-1e-3", C.threshold(1e-3, mode="padded", max_fraction=0.01),
+        "|g| ≥ 1e-3, padded all-gather bounded at 1%",
+    ),
+    *_with_and_without_ef("scaled-sign", C.sign(scaled=True), "EF-signSGD scaled sign, 1 bit"),
+    Algorithm(
+        "sign-vote",
+        lambda comm, local: optax.chain(
+            optaxdist.compressed_allreduce(C.sign(), comm=comm, error_feedback=False),
+            optax.sgd(1e-3),
+        ),
+        "signSGD with majority vote, 1 bit; fixed lr 1e-3, no momentum (ignores --lr)",
+    ),
+]
+
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in [
@@ -69,10 +107,13 @@ ALGORITHMS: dict[str, Algorithm] = {
             lambda comm, local: optax.chain(local, optaxdist.average_params(comm=comm)),
             "local SGD step, then parameter averaging every step (momentum stays local)",
         ),
+        *COMPRESSION_ALGORITHMS,
     ]
 }
 
-DEFAULT_ALGORITHMS: tuple[str, ...] = tuple(ALGORITHMS)
+DEFAULT_ALGORITHMS: tuple[str, ...] = (
+    "single", "allreduce-fp32", "allreduce-bf16", "allreduce-fp16", "param-avg",
+)
 
 
 def local_optimizer(lr: float, momentum: float = 0.9) -> optax.GradientTransformation:

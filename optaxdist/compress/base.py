@@ -52,8 +52,12 @@ class Compressor(abc.ABC):
 
 
 def resolve_k(size: int, fraction: float | None, count: int | None) -> int:
-    """Entries kept of a vector of ``size``: ``ceil(fraction·size)`` or ``count``, within [1, size]."""
-    k = math.ceil(fraction * size) if fraction is not None else int(count)
+    """Entries kept of a vector of ``size``: ``floor(fraction·size)`` or ``count``, within [1, size].
+
+    Rounding down makes ``fraction`` an upper bound on the share sent (but for the minimum of one
+    entry); SINGA rounds up.
+    """
+    k = math.floor(fraction * size) if fraction is not None else int(count)
     return max(1, min(size, k))
 
 
