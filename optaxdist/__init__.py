@@ -48,6 +48,7 @@ from optaxdist.transforms.loss_scale import (
     scale_loss,
     skip_nonfinite,
 )
+from optaxdist.transforms.powersgd import PowerSgdState, powersgd
 from optaxdist.transforms.sign_sgd import SignSgdState, sign_sgd
 from optaxdist.transforms.singa import SingaSgdState, singa_exponential_decay, singa_sgd
 
@@ -68,6 +69,7 @@ __all__ = [
     "Hierarchy",
     "KindTotals",
     "MpiComm",
+    "PowerSgdState",
     "SignSgdState",
     "SingaSgdState",
     "allreduce",
@@ -90,6 +92,7 @@ __all__ = [
     "on_mesh",
     "on_mpi",
     "payload_bytes",
+    "powersgd",
     "pytorch_loss_scale",
     "replicas_identical",
     "replicate",

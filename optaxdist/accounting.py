@@ -5,9 +5,11 @@ of collective, and, as static data fixed at ``init`` from the parameter shapes, 
 bytes of one event of that kind. Totals are ``count × payload`` computed with Python integers on the
 host, so they stay exact for any run length (a float byte counter would not).
 
-Convention: the *payload* of a collective is the size of the buffer this replica hands to it (for
-an all-reduce of ``S`` bytes, ``S``; what a ring implementation puts on the wire, ``2(n−1)/n·S``, is
-the business of the cost model in ``optaxdist.bench.cost``).
+Conventions: one *event* is one call to the communicator on a pytree (``comm.psum(grads)``),
+whatever number of physical collectives XLA's combiner makes of it. The *payload* of an event is
+the size of the buffers this replica hands to it (for an all-reduce of ``S`` bytes, ``S``; what a
+ring implementation puts on the wire, ``2(n−1)/n·S``, is the business of the cost model in
+``optaxdist.bench.cost``).
 """
 
 from __future__ import annotations

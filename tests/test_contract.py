@@ -58,6 +58,10 @@ TRANSFORMS = {
         ),
         dict(steps=-2),
     ),
+    "powersgd": (
+        lambda **kw: od.powersgd(comm=COMM, **({"rank": 1, "start_iter": 1} | kw)),
+        dict(rank=0),
+    ),
     "sign_sgd": (lambda **kw: od.sign_sgd(0.1, momentum=0.9, **kw), dict(weight_decay=-1.0)),
     "averaged_iterate": (lambda **kw: od.averaged_iterate(**({"shift": 3.0} | kw)), dict(shift=0.0)),
     "singa_sgd": (

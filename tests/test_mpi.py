@@ -14,6 +14,7 @@ HARNESS_TEST_FILES = [
     "tests/test_allreduce.py",
     "tests/test_loss_scale.py",
     "tests/test_compress.py",
+    "tests/test_powersgd.py",
 ]
 
 

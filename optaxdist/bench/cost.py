@@ -45,6 +45,9 @@ NETWORKS: dict[str, Network] = {
 KIND_COLLECTIVE: dict[str, str] = {
     "all_reduce": "all_reduce",
     "param_average": "all_reduce",
+    "powersgd_p": "all_reduce",
+    "powersgd_q": "all_reduce",
+    "powersgd_warmup": "all_reduce",
     "agree": "all_reduce",
     "all_gather": "all_gather",
     "reduce_scatter": "reduce_scatter",

@@ -70,7 +70,11 @@ class Communicator(abc.ABC):
     # ---- derived collectives -------------------------------------------------------------
 
     def psum(self, tree: PyTree, *, dtype: Any = None) -> PyTree:
-        """All-reduce sum. ``dtype`` is the type on the wire; results come back in each leaf's dtype."""
+        """All-reduce sum. ``dtype`` is the type on the wire; results come back in each leaf's dtype.
+
+        One ``lax.psum`` per leaf: XLA's all-reduce combiner merges them into as few collectives as
+        its size threshold allows. Ledgers count one event per call (see ``optaxdist.accounting``).
+        """
         dt = canonical_comm_dtype(dtype)
 
         def one(x):
@@ -82,12 +86,13 @@ class Communicator(abc.ABC):
         return jax.tree.map(one, tree)
 
     def pmean(self, tree: PyTree, *, dtype: Any = None) -> PyTree:
-        """All-reduce mean: ``psum`` followed by division by ``size`` in each leaf's dtype."""
+        """All-reduce mean: ``psum`` followed by division by ``size`` in each leaf's dtype (a division,
+        not a multiplication by ``1/size``, so the result is bitwise ``torch``'s ``sum / W``)."""
         for x in jax.tree.leaves(tree):
             if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
                 raise TypeError(f"pmean needs floating-point leaves, got {jnp.asarray(x).dtype}")
-        inv = 1.0 / self.size
-        return jax.tree.map(lambda s: s * jnp.asarray(inv, s.dtype), self.psum(tree, dtype=dtype))
+        size = self.size
+        return jax.tree.map(lambda s: s / jnp.asarray(size, s.dtype), self.psum(tree, dtype=dtype))
 
     def all_gather(self, tree: PyTree) -> PyTree:
         """Every member's value stacked on a new leading axis of length ``size``."""

@@ -59,7 +59,7 @@ def allreduce(
     norm: chain ``optax.clip_by_global_norm`` after this transform.
 
     Communication:
-      One all-reduce per step of every gradient leaf (fused), ``sum(numel(g))`` elements in
+      One all-reduce per step of every gradient leaf (merged by XLA's combiner), ``sum(numel(g))`` elements in
       ``dtype`` (the gradient's own dtype when None). Counted in the state's ledger as kind
       ``"all_reduce[<dtype>]"``.
 
