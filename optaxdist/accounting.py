@@ -123,11 +123,19 @@ def comm_stats(state: PyTree, *, replica: int | None = None) -> CommStats:
     ]
     for ledger in ledgers:
         for kind, count, payload in zip(ledger.kinds, ledger.counts, ledger.payloads):
-            n = _one_replica(np.asarray(count), kind, replica)
+            n = _one_replica(_host_value(count), kind, replica)
             acc = totals.setdefault(kind, [0, 0])
             acc[0] += n
             acc[1] += n * payload
     return CommStats({k: KindTotals(c, b) for k, (c, b) in totals.items()})
+
+
+def _host_value(x: Any) -> np.ndarray:
+    """A counter on the host. For a global array spanning several processes (``jax.distributed``),
+    only this process's rows are readable: those are returned (every row holds the same count)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.stack([np.asarray(s.data).reshape(-1) for s in x.addressable_shards]).reshape(-1)
+    return np.asarray(x)
 
 
 def _one_replica(count: np.ndarray, kind: str, replica: int | None) -> int:

@@ -32,6 +32,7 @@ class MultiHostHarness:
         local = jax.tree.map(lambda x: np.asarray(x)[self.rows], stacked)
         args = od.global_replica_array(local, self.mesh)
         out = od.on_mesh(step, self.mesh)(*args)
+        self.last_global_output = out
         return jax.tree.map(
             lambda x: np.concatenate([np.asarray(s.data) for s in sorted(
                 x.addressable_shards, key=lambda s: s.index[0].start or 0)]),
@@ -53,6 +54,8 @@ def main() -> None:
     np.savez(
         out_path, rows=harness.rows, w=params["w"], b=params["b"],
         bytes=od.comm_stats(state).bytes, n=harness.n,
+        # comm_stats straight from the global (multi-process) state, not only from numpy rows
+        global_bytes=od.comm_stats(harness.last_global_output[1]).bytes,
     )
     jax.distributed.shutdown()
 

@@ -58,5 +58,5 @@ def test_two_process_mesh_matches_simulation(tmp_path):
             np.testing.assert_allclose(r["w"][j], ref["w"][row], atol=1e-6, rtol=0)
             np.testing.assert_allclose(r["b"][j], ref["b"][row], atol=1e-6, rtol=0)
             seen.add(int(row))
-        assert int(r["bytes"]) == od.comm_stats(ref_state).bytes
+        assert int(r["bytes"]) == int(r["global_bytes"]) == od.comm_stats(ref_state).bytes
     assert seen == set(range(n))

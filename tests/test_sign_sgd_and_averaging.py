@@ -70,3 +70,11 @@ def test_bad_arguments():
         od.averaged_iterate(0.0)
     with pytest.raises(ValueError, match="found 0"):
         od.averaged_params(optax.sgd(0.1).init(jnp.zeros(2)))
+
+
+def test_sign_sgd_schedule_with_bf16_params():
+    tx = od.sign_sgd(optax.exponential_decay(0.1, 10, 0.5), momentum=0.9)
+    p = jnp.ones(3, jnp.bfloat16)
+    u, _ = tx.update(-p, tx.init(p), p)
+    assert u.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(u, np.float32), 0.1, rtol=1e-2)

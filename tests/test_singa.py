@@ -85,3 +85,11 @@ def test_bad_hyperparameters():
         od.singa_exponential_decay(0.1, 0, 0.5)
     with pytest.raises(ValueError, match="decay_rate"):
         od.singa_exponential_decay(0.1, 3, 0.0)
+
+
+def test_schedule_with_bf16_params_under_strict_promotion():
+    tx = od.singa_sgd(od.singa_exponential_decay(0.1, 10, 0.5), momentum=0.9)
+    p = jnp.ones(3, jnp.bfloat16)
+    u, _ = tx.update(p, tx.init(p), p)
+    assert u.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(u, np.float32), -0.1, rtol=1e-2)

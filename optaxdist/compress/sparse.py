@@ -44,9 +44,8 @@ class TopK(Compressor):
 
 
 @dataclasses.dataclass(frozen=True)
-class RandomK(Compressor):
-    """``k`` coordinates drawn uniformly without replacement from a key shared by all replicas:
-    every replica picks the same coordinates, so only the values travel (one all-reduce)."""
+class _SharedIndices(Compressor):
+    """Coordinates chosen from a key shared by all replicas: only the values travel (all-reduce)."""
 
     fraction: float | None = None
     count: int | None = None
@@ -54,6 +53,20 @@ class RandomK(Compressor):
 
     def __post_init__(self):
         check_fraction_or_count(self.fraction, self.count)
+
+    def _indices(self, size: int, key: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def encode(self, x, key):
+        return x[self._indices(x.shape[0], key)]
+
+    def decode(self, payload, size, key):
+        return scatter(self._indices(size, key), payload, size)
+
+
+class RandomK(_SharedIndices):
+    """``k`` coordinates drawn uniformly without replacement from a key shared by all replicas:
+    every replica picks the same coordinates, so only the values travel (one all-reduce)."""
 
     @property
     def name(self) -> str:
@@ -63,25 +76,11 @@ class RandomK(Compressor):
         k = resolve_k(size, self.fraction, self.count)
         return jax.random.choice(key, size, (k,), replace=False).astype(jnp.int32)
 
-    def encode(self, x, key):
-        return x[self._indices(x.shape[0], key)]
 
-    def decode(self, payload, size, key):
-        return scatter(self._indices(size, key), payload, size)
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockK(Compressor):
+class BlockK(_SharedIndices):
     """A contiguous block of ``k`` coordinates starting at a shared random offset, wrapping around
     the end, so every coordinate is selected equally often (mlbench's blockwise sparsifier never
     selects the last ``d mod k``). Only the values travel (one all-reduce)."""
-
-    fraction: float | None = None
-    count: int | None = None
-    needs_key = True
-
-    def __post_init__(self):
-        check_fraction_or_count(self.fraction, self.count)
 
     @property
     def name(self) -> str:
@@ -91,12 +90,6 @@ class BlockK(Compressor):
         k = resolve_k(size, self.fraction, self.count)
         start = jax.random.randint(key, (), 0, size, jnp.int32)
         return (start + jnp.arange(k, dtype=jnp.int32)) % size
-
-    def encode(self, x, key):
-        return x[self._indices(x.shape[0], key)]
-
-    def decode(self, payload, size, key):
-        return scatter(self._indices(size, key), payload, size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist.transforms._checks import check_sgd_hyperparameters
+
 
 class SignSgdState(NamedTuple):
     """State of ``sign_sgd`` (per replica): step count and momentum buffer."""
@@ -47,12 +49,9 @@ def sign_sgd(
       Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", ICML 2018.
       mlbench-core ``mlbench_core.optim.pytorch.optim.SignSGD``.
     """
-    if momentum < 0:
-        raise ValueError(f"momentum={momentum!r} must be ≥ 0")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be ≥ 0")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
+    check_sgd_hyperparameters(
+        momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+    )
 
     def init_fn(params):
         return SignSgdState(
@@ -75,7 +74,7 @@ def sign_sgd(
                 lambda b, x: jnp.where(first, x, momentum * b + (1 - dampening) * x), buf, d
             )
             d = jax.tree.map(lambda x, b: x + momentum * b, d, buf) if nesterov else buf
-        out = jax.tree.map(lambda x: (-lr * jnp.sign(x)).astype(x.dtype), d)
+        out = jax.tree.map(lambda x: -jnp.asarray(lr, x.dtype) * jnp.sign(x), d)
         return out, SignSgdState(count=optax.safe_increment(state.count), sign_momentum=buf)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

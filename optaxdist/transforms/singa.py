@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist.transforms._checks import check_sgd_hyperparameters
+
 
 def singa_exponential_decay(
     init_value: float, decay_steps: int, decay_rate: float, staircase: bool = False
@@ -70,12 +72,9 @@ def singa_sgd(
     References:
       Apache SINGA ``python/singa/opt.py`` ``SGD``.
     """
-    if momentum < 0:
-        raise ValueError(f"momentum={momentum!r} must be ≥ 0")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be ≥ 0")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
+    check_sgd_hyperparameters(
+        momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+    )
 
     def init_fn(params):
         buf = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)
@@ -95,7 +94,7 @@ def singa_sgd(
                 updates = jax.tree.map(lambda g, b: g + momentum * b, updates, buf)
             else:
                 updates = buf
-        updates = jax.tree.map(lambda g: (-lr * g).astype(g.dtype), updates)
+        updates = jax.tree.map(lambda g: -jnp.asarray(lr, g.dtype) * g, updates)
         return updates, SingaSgdState(count=optax.safe_increment(state.count), momentum_buffer=buf)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
