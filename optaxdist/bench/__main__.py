@@ -10,7 +10,12 @@ import sys
 from collections.abc import Sequence
 
 from optaxdist.bench import cost
-from optaxdist.bench.algorithms import ALGORITHMS, DEFAULT_ALGORITHMS
+from optaxdist.bench.algorithms import (
+    ALGORITHM_GROUPS,
+    ALGORITHMS,
+    DEFAULT_ALGORITHMS,
+    expand_names,
+)
 from optaxdist.bench.data import DATASETS, SHARDINGS
 
 SUBCOMMANDS = ("bench",)
@@ -39,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--momentum", type=float, default=0.9, help="of the local optax.sgd")
     b.add_argument("--hidden", default="128,128", help="MLP hidden widths")
     b.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
-                   help=f"comma list of: {', '.join(ALGORITHMS)}")
+                   help=f"comma list of: {', '.join(ALGORITHMS)}; or groups: "
+                   f"{', '.join(ALGORITHM_GROUPS)} (compression = allreduce-fp32 + every "
+                   "compressed row)")
     b.add_argument("--network", choices=tuple(cost.NETWORKS), default="10GbE",
                    help="link between nodes for the cost model")
     b.add_argument("--nodes", type=int, default=None,
@@ -80,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         for a in ALGORITHMS.values():
             print(f"{a.name:<16} {a.description}")
+        for g, names in ALGORITHM_GROUPS.items():
+            print(f"group {g:<10} {', '.join(names)}")
         return 0
 
     if args.suite == "overhead":
@@ -103,13 +112,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"wrote {path}", file=sys.stderr)
         return 0
 
-    from optaxdist.bench.run import BenchConfig, as_tuple, parse_hidden, run_bench
+    from optaxdist.bench.run import BenchConfig, parse_hidden, run_bench
 
     try:
         cfg = BenchConfig(
             dataset=args.dataset, replicas=args.replicas, shards=args.shards,
             batch_size=args.batch_size, steps=args.steps, lr=args.lr, momentum=args.momentum,
-            hidden=parse_hidden(args.hidden), algorithms=as_tuple(args.algorithms),
+            hidden=parse_hidden(args.hidden), algorithms=expand_names(args.algorithms),
             network=args.network, nodes=args.nodes, log_every=args.log_every, seed=args.seed,
             out=args.out or None, plots=not args.no_plots, progress=not args.quiet,
         )

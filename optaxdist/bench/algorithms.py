@@ -55,6 +55,15 @@ def _compressed(compressor, error_feedback: bool = True, scope: str = "model") -
     )
 
 
+def _powersgd(rank: int, error_feedback: bool = True) -> Factory:
+    return lambda comm, local: optax.chain(
+        optaxdist.powersgd(
+            comm=comm, rank=rank, start_iter=0, error_feedback=error_feedback, warm_start=True
+        ),
+        local,
+    )
+
+
 def _with_and_without_ef(name: str, compressor, description: str) -> list[Algorithm]:
     return [
         Algorithm(f"{name}-ef", _compressed(compressor), f"{description}, error feedback"),
@@ -81,6 +90,17 @@ COMPRESSION_ALGORITHMS: list[Algorithm] = [
             optax.sgd(1e-3),
         ),
         "signSGD with majority vote, 1 bit; fixed lr 1e-3, no momentum (ignores --lr)",
+    ),
+    *(
+        Algorithm(
+            f"powersgd-r{r}", _powersgd(r),
+            f"PowerSGD rank {r}, error feedback, warm start, start_iter=0",
+        )
+        for r in (1, 2, 4)
+    ),
+    Algorithm(
+        "powersgd-r2-noef", _powersgd(2, error_feedback=False),
+        "PowerSGD rank 2 without error feedback, warm start, start_iter=0",
     ),
 ]
 
@@ -116,16 +136,40 @@ DEFAULT_ALGORITHMS: tuple[str, ...] = (
 )
 
 
+#: Names that ``--algorithms`` expands to a list of rows (``get_algorithms`` expands them).
+ALGORITHM_GROUPS: dict[str, tuple[str, ...]] = {
+    "default": DEFAULT_ALGORITHMS,
+    "compression": ("allreduce-fp32", *(a.name for a in COMPRESSION_ALGORITHMS)),
+    "all": tuple(ALGORITHMS),
+}
+
+
+def expand_names(names: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """A comma list (or sequence) of registry names and group names (``ALGORITHM_GROUPS``) as
+    registry names, groups expanded in place, duplicates dropped (first occurrence kept)."""
+    if isinstance(names, str):
+        names = [s.strip() for s in names.split(",") if s.strip()]
+    out: list[str] = []
+    for n in names:
+        for m in ALGORITHM_GROUPS.get(n, (n,)):
+            if m not in out:
+                out.append(m)
+    return tuple(out)
+
+
 def local_optimizer(lr: float, momentum: float = 0.9) -> optax.GradientTransformation:
     """The local optimizer every algorithm wraps: ``optax.sgd`` (no momentum when it is 0)."""
     return optax.sgd(lr, momentum=momentum or None)
 
 
 def get_algorithms(names: str | list[str] | tuple[str, ...]) -> list[Algorithm]:
-    """Look up a comma-separated list (or a sequence) of registry names, in that order."""
-    if isinstance(names, str):
-        names = [s.strip() for s in names.split(",") if s.strip()]
+    """Look up a comma-separated list (or a sequence) of registry names, in that order; group
+    names (``ALGORITHM_GROUPS``: ``default``, ``compression``, ``all``) expand to their rows."""
+    names = expand_names(names)
     unknown = [n for n in names if n not in ALGORITHMS]
     if unknown or not names:
-        raise ValueError(f"unknown algorithms {unknown}; available: {', '.join(ALGORITHMS)}")
+        raise ValueError(
+            f"unknown algorithms {unknown}; available: {', '.join(ALGORITHMS)}; "
+            f"groups: {', '.join(ALGORITHM_GROUPS)}"
+        )
     return [ALGORITHMS[n] for n in names]
