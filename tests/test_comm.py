@@ -26,6 +26,7 @@ def test_collectives(harness):
             "any": comm.agree(v[0] > 3 * (n - 1) - 0.5, op="any"),
             "all": comm.agree(v[0] > 3 * (n - 1) - 0.5, op="all"),
             "size": jnp.asarray(comm.size),
+            "scatter": comm.psum_scatter(jnp.concatenate([v * (j + 1) for j in range(n)])),
         }
 
     out = harness.run(step, x)
@@ -39,6 +40,7 @@ def test_collectives(harness):
     np.testing.assert_array_equal(out["bcast"], np.broadcast_to(x[-1], x.shape))
     assert out["any"].all() and not out["all"].any()
     assert (out["size"] == n).all()
+    np.testing.assert_array_equal(out["scatter"], np.arange(1, n + 1)[:, None] * x.sum(0))
 
 
 def test_broadcast_is_bit_exact_with_nonfinite_values_elsewhere(harness):

@@ -32,8 +32,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a Flax MLP with N simulated replicas per algorithm and report loss, "
         "accuracy, bytes sent per replica, measured compute and modelled network time.",
     )
-    b.add_argument("--suite", choices=("train", "overhead"), default="train",
-                   help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd")
+    b.add_argument("--suite", choices=("train", "overhead", "compression-cost"), default="train",
+                   help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd; "
+                   "compression-cost: compression compute per step (one replica) vs PyTorch's "
+                   "powerSGD_hook, with the modelled comm time")
     b.add_argument("--dataset", choices=DATASETS, default="digits")
     b.add_argument("--replicas", type=int, default=8, help="simulated replicas N")
     b.add_argument("--shards", choices=SHARDINGS, default="iid",
@@ -61,8 +63,19 @@ def _parser() -> argparse.ArgumentParser:
     o = b.add_argument_group("overhead suite")
     o.add_argument("--backend", choices=("simulate", "mesh"), default="simulate",
                    help="mesh: force --replicas host devices and time on_mesh too")
-    o.add_argument("--sizes", default="1M,25M", help="parameter counts")
-    o.add_argument("--repeats", type=int, default=11, help="timed runs per measurement")
+    o.add_argument("--sizes", default=None,
+                   help="parameter counts (overhead: 1M,25M; compression-cost: 25M)")
+    o.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per measurement (overhead: 11; compression-cost: 7)")
+    c = b.add_argument_group("compression-cost suite (also uses --sizes, --repeats, --replicas, "
+                             "--network, --nodes, --seed)")
+    c.add_argument("--matrices", type=int, default=5,
+                   help="square float32 matrices (each with a bias vector) making up the model")
+    c.add_argument("--warmup", type=int, default=3, help="untimed calls before timing")
+    c.add_argument("--no-torch", action="store_true",
+                   help="skip PyTorch's powerSGD_hook even if torch is installed")
+    c.add_argument("--torch-threads", type=int, default=None,
+                   help="torch.set_num_threads (default: os.cpu_count())")
     return parser
 
 
@@ -72,6 +85,31 @@ def _force_host_devices(n: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+def _compression_cost(args: argparse.Namespace) -> int:
+    from optaxdist.bench.compression_cost import run_compression_cost
+    from optaxdist.bench.overhead import parse_size
+    from optaxdist.bench.run import environment
+
+    records = []
+    for size in [parse_size(s) for s in (args.sizes or "25M").split(",") if s.strip()]:
+        rec = run_compression_cost(
+            size, matrices=args.matrices, replicas=args.replicas, network=args.network,
+            nodes=args.nodes, warmup=args.warmup, repeats=args.repeats or 7,
+            use_torch=not args.no_torch, torch_threads=args.torch_threads, seed=args.seed,
+            progress=not args.quiet,
+        )
+        rec["environment"] = environment()
+        records.append(rec)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "compression_cost.json")
+        with open(path, "w") as f:
+            json.dump(records, f, indent=1)
+        if not args.quiet:
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -91,15 +129,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"group {g:<10} {', '.join(names)}")
         return 0
 
+    if args.suite == "compression-cost":
+        return _compression_cost(args)
+
     if args.suite == "overhead":
         if args.backend == "mesh":
             _force_host_devices(args.replicas)  # before the first JAX computation
         from optaxdist.bench.overhead import parse_size, run_overhead
 
-        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+        sizes = [parse_size(s) for s in (args.sizes or "1M,25M").split(",") if s.strip()]
         harnesses = ("simulate", "mesh") if args.backend == "mesh" else ("simulate",)
         record = run_overhead(sizes, replicas=args.replicas, harnesses=harnesses,
-                              repeats=args.repeats, progress=not args.quiet)
+                              repeats=args.repeats or 11, progress=not args.quiet)
         from optaxdist.bench.run import environment
 
         record["environment"] = environment()

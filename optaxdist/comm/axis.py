@@ -76,6 +76,14 @@ class AxisComm(Communicator):
             x = jax.lax.all_gather(x, a)
         return x.reshape((self.size,) + x.shape[len(self.axes) :])
 
+    def _psum_scatter(self, x):
+        size = self.size
+        if len(self.axes) == 1:
+            return jax.lax.psum_scatter(pcast_varying(x, self.axes), self.axis_name, tiled=True)
+        # several axes: sum everywhere, keep my block (nested vmap has no multi-axis reduce-scatter)
+        block = x.shape[0] // size
+        return jax.lax.dynamic_slice(self._psum(x), (self.index() * block,), (block,))
+
     def _permute(self, x, perm):
         size = self.size
         on_mesh = set(self.axes) <= set(manual_axes())

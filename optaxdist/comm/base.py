@@ -63,6 +63,10 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _permute(self, x: jax.Array, perm: tuple[tuple[int, int], ...]) -> jax.Array: ...
 
+    @abc.abstractmethod
+    def _psum_scatter(self, x: jax.Array) -> jax.Array:
+        """Sum over members of ``x`` (length ``size·L``), returning this member's block of ``L``."""
+
     def varying(self, tree: PyTree) -> PyTree:
         """Mark values as per-replica (shard_map's ``pcast``); the identity for other backends."""
         return tree
@@ -93,6 +97,17 @@ class Communicator(abc.ABC):
                 raise TypeError(f"pmean needs floating-point leaves, got {jnp.asarray(x).dtype}")
         size = self.size
         return jax.tree.map(lambda s: s / jnp.asarray(size, s.dtype), self.psum(tree, dtype=dtype))
+
+    def psum_scatter(self, x: jax.Array) -> jax.Array:
+        """Reduce-scatter of a flat vector whose length is a multiple of ``size``: member ``i`` gets
+        block ``i`` (of ``len(x) / size`` elements) of the sum over members."""
+        x = jnp.asarray(x)
+        if x.ndim != 1 or x.shape[0] % self.size:
+            raise ValueError(
+                f"psum_scatter needs a flat vector whose length is a multiple of {self.size}, "
+                f"got shape {x.shape}"
+            )
+        return self._psum_scatter(x)
 
     def all_gather(self, tree: PyTree) -> PyTree:
         """Every member's value stacked on a new leading axis of length ``size``."""
