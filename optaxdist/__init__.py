@@ -40,6 +40,7 @@ from optaxdist.transforms.compressed import (
     compressed_allreduce,
     exact_warmup,
 )
+from optaxdist.transforms.local_sgd import LocalSgdState, local_sgd, sync_model_state
 from optaxdist.transforms.loss_scale import (
     DynamicLossScaleState,
     dynamic_loss_scale,
@@ -47,6 +48,15 @@ from optaxdist.transforms.loss_scale import (
     pytorch_loss_scale,
     scale_loss,
     skip_nonfinite,
+)
+from optaxdist.transforms.outer import (
+    OuterSyncState,
+    SlowMoOuterState,
+    diloco,
+    diloco_outer_optimizer,
+    outer_sync,
+    slowmo,
+    slowmo_outer_optimizer,
 )
 from optaxdist.transforms.powersgd import PowerSgdState, powersgd
 from optaxdist.transforms.sign_sgd import SignSgdState, sign_sgd
@@ -68,9 +78,12 @@ __all__ = [
     "DynamicLossScaleState",
     "Hierarchy",
     "KindTotals",
+    "LocalSgdState",
     "MpiComm",
+    "OuterSyncState",
     "PowerSgdState",
     "SignSgdState",
+    "SlowMoOuterState",
     "SingaSgdState",
     "allreduce",
     "assert_replicas_identical",
@@ -82,14 +95,18 @@ __all__ = [
     "comm_stats",
     "compress",
     "compressed_allreduce",
+    "diloco",
+    "diloco_outer_optimizer",
     "dynamic_loss_scale",
     "exact_warmup",
     "global_replica_array",
+    "local_sgd",
     "initialize_multihost",
     "mesh_hierarchy",
     "mlbench_loss_scale",
     "mpi_hierarchy",
     "on_mesh",
+    "outer_sync",
     "on_mpi",
     "payload_bytes",
     "powersgd",
@@ -102,4 +119,7 @@ __all__ = [
     "singa_exponential_decay",
     "singa_sgd",
     "skip_nonfinite",
+    "slowmo",
+    "slowmo_outer_optimizer",
+    "sync_model_state",
 ]

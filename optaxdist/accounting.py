@@ -151,6 +151,17 @@ def _one_replica(count: np.ndarray, kind: str, replica: int | None) -> int:
     return int(flat[0])
 
 
+def per_replica(tree: PyTree, comm: Any) -> PyTree:
+    """``comm.varying`` on every leaf but the ledgers (which stay replicated).
+
+    Inside ``shard_map`` the two branches of a ``lax.cond`` must agree on which values vary across
+    replicas; transforms mark their per-replica values with this in ``init`` and in every branch.
+    Outside ``shard_map`` it is the identity.
+    """
+    is_ledger = lambda x: isinstance(x, CommLedger)
+    return jax.tree.map(lambda x: x if is_ledger(x) else comm.varying(x), tree, is_leaf=is_ledger)
+
+
 def keep_ledgers(selected: PyTree, latest: PyTree) -> PyTree:
     """``selected`` with every ledger taken from ``latest``: events that happened stay counted even
     when the rest of a state is rolled back (a skipped step still sent its collectives)."""

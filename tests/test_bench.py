@@ -117,3 +117,72 @@ def test_shards():
 def test_cli_rejects_unknown_algorithm(capsys):
     assert main(["--algorithms", "nope", "--quiet", "--out", ""]) == 2
     assert "unknown algorithms" in capsys.readouterr().err
+
+
+def test_algorithm_groups_expand():
+    from optaxdist.bench.algorithms import (
+        ALGORITHMS,
+        COMPRESSION_ALGORITHMS,
+        DEFAULT_ALGORITHMS,
+        expand_names,
+        get_algorithms,
+    )
+
+    comp = expand_names("compression")
+    assert comp[0] == "allreduce-fp32"
+    assert comp[1:] == tuple(a.name for a in COMPRESSION_ALGORITHMS)
+    assert {"powersgd-r1", "powersgd-r2", "powersgd-r4", "powersgd-r2-noef"} <= set(comp)
+    assert expand_names("default") == DEFAULT_ALGORITHMS
+    assert expand_names("single,default") == DEFAULT_ALGORITHMS  # duplicates dropped
+    assert [a.name for a in get_algorithms("all")] == list(ALGORITHMS)
+
+
+def test_powersgd_rows_bytes_match_formula(tmp_path):
+    steps = 10
+    rc = main([
+        "bench", "--algorithms", "powersgd-r2,powersgd-r2-noef", "--steps", str(steps),
+        "--replicas", str(REPLICAS), "--log-every", "10", "--hidden", "16",
+        "--out", str(tmp_path), "--no-plots", "--quiet",
+    ])
+    assert rc == 0
+    with open(tmp_path / "bench_digits_iid.json") as f:
+        rec = json.load(f)
+    # MLP 64 -> 16 -> 10, rank 2: both kernels pass (n + m)·2·2 < n·m; biases travel exactly.
+    p, q, exact = 64 * 2 + 16 * 2, 16 * 2 + 10 * 2, 16 + 10
+    for r in rec["results"]:
+        assert r["bytes_by_kind"] == {
+            "powersgd_p[float32]": {"collectives": steps, "bytes": 4 * p * steps},
+            "powersgd_q[float32]": {"collectives": steps, "bytes": 4 * q * steps},
+            "all_reduce[float32]": {"collectives": steps, "bytes": 4 * exact * steps},
+        }
+        assert r["bytes_per_replica"] == 4 * (p + q + exact) * steps
+        assert np.isfinite(r["final_train_loss"])
+
+
+def test_compression_cost_suite_without_torch(monkeypatch, capsys):
+    import sys
+
+    from optaxdist.bench.compression_cost import format_compression_cost, run_compression_cost
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    rec = run_compression_cost(
+        2000, transforms=("allreduce-fp32", "topk-1%-ef"), ranks=(2,), warmup=1, repeats=2,
+        replicas=8, network="10GbE",
+    )
+    captured = capsys.readouterr()
+    assert "torch is not installed" in captured.err
+    assert "powersgd-r2" in captured.out
+    by_name = {r["name"]: r for r in rec["results"]}
+    assert set(by_name) == {"allreduce-fp32", "topk-1%-ef", "powersgd-r2", "powersgd-r2-unbatched"}
+    assert rec["model"]["parameters"] == 5 * 20 * 20 + 5 * 20
+    # five 20×20 matrices at rank 2 (P and Q: 20·2 each) and five exact 20-vectors.
+    assert by_name["powersgd-r2"]["bytes_per_step"] == 4 * (5 * (40 + 40) + 5 * 20)
+    assert by_name["allreduce-fp32"]["bytes_per_step"] == 4 * 2100
+    assert by_name["topk-1%-ef"]["bytes_per_step"] == 8 * 21  # floor(1% of 2100) (index, value)
+    net = cost.NETWORKS["10GbE"]
+    assert by_name["allreduce-fp32"]["comm_s_model"] == pytest.approx(
+        2 * 7 / 8 * 8400 / net.bandwidth + 14 * net.latency
+    )
+    assert len(by_name["powersgd-r2"]["compute_all_s"]) == 2
+    assert rec["powersgd"][0]["rank"] == 2 and "torch_s" not in rec["powersgd"][0]
+    assert "| 2 |" in format_compression_cost(rec)

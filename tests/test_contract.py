@@ -62,6 +62,21 @@ TRANSFORMS = {
         lambda **kw: od.powersgd(comm=COMM, **({"rank": 1, "start_iter": 1} | kw)),
         dict(rank=0),
     ),
+    "local_sgd": (
+        lambda **kw: od.local_sgd(optax.sgd(0.1, momentum=0.9), comm=COMM,
+                                  **({"period": 1, "warmup_steps": 1,
+                                      "average_inner_state": True} | kw)),
+        dict(period=0),
+    ),
+    "diloco": (
+        lambda **kw: od.diloco(optax.sgd(0.1), comm=COMM, **({"period": 1} | kw)), dict(period=-1)
+    ),
+    "slowmo_memory_efficient": (
+        lambda **kw: od.slowmo(optax.sgd(0.1), comm=COMM, learning_rate=0.1,
+                               **({"period": 1, "memory_efficient": True, "num_shards": N,
+                                   "anchor_after_first_step": True} | kw)),
+        dict(slow_lr=0.0),
+    ),
     "sign_sgd": (lambda **kw: od.sign_sgd(0.1, momentum=0.9, **kw), dict(weight_decay=-1.0)),
     "averaged_iterate": (lambda **kw: od.averaged_iterate(**({"shift": 3.0} | kw)), dict(shift=0.0)),
     "singa_sgd": (

@@ -15,6 +15,7 @@ HARNESS_TEST_FILES = [
     "tests/test_loss_scale.py",
     "tests/test_compress.py",
     "tests/test_powersgd.py",
+    "tests/test_local_sgd.py",
 ]
 
 

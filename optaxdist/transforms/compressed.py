@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from optaxdist.accounting import CommLedger, payload_bytes
+from optaxdist.accounting import CommLedger, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
 from optaxdist.compress.base import Compressor
 from optaxdist.transforms.allreduce import allreduce
@@ -205,20 +205,20 @@ def exact_warmup(
     def init_fn(params):
         return ExactWarmupState(
             warmup_step=jnp.zeros((), jnp.int32),
-            exact_state=exact.init(params),
-            compressed_state=compressed.init(params),
+            exact_state=per_replica(exact.init(params), comm),
+            compressed_state=per_replica(compressed.init(params), comm),
         )
 
     def update_fn(updates, state, params=None, **extra):
-        # Branch outputs are marked per-replica so both branches have the same type on a mesh.
+        # Both branches mark their outputs per-replica so they have the same type on a mesh.
         def run_exact(_):
             u, s = exact.update(updates, state.exact_state, params, **extra)
-            return comm.varying((u, s, state.compressed_state))
+            return per_replica((u, s, state.compressed_state), comm)
 
         def run_compressed(_):
             u, s = compressed.update(updates, state.compressed_state, params, **extra)
             u = jax.tree.map(lambda a, g: a.astype(g.dtype), u, updates)
-            return comm.varying((u, state.exact_state, s))
+            return per_replica((u, state.exact_state, s), comm)
 
         out, exact_state, compressed_state = jax.lax.cond(
             state.warmup_step < steps, run_exact, run_compressed, None

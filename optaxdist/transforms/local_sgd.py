@@ -1,0 +1,227 @@
+"""Local SGD: local steps, parameter averaging every ``period`` steps (fairscale LocalSGD, post-local
+SGD, PyTorch's PeriodicModelAverager and HierarchicalModelAverager)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.transforms.allreduce import _kind
+
+NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
+
+
+class LocalSgdState(NamedTuple):
+    """State of ``local_sgd``.
+
+    Attributes:
+      local_step: updates so far (int32, replicated).
+      sync_level: what the last update did (replicated): 0 nothing, 1 averaged within the node
+        group, 2 averaged over all replicas. ``sync_model_state`` reads it.
+      inner_state: the local optimizer's state (per replica).
+      local_sgd_ledger: what was sent (replicated).
+    """
+
+    local_step: jax.Array
+    sync_level: jax.Array
+    inner_state: optax.OptState
+    local_sgd_ledger: CommLedger
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+
+
+def _average_floats(tree, comm: Communicator, dtype):
+    """``comm.pmean`` of the floating-point leaves of ``tree``; other leaves (counters) unchanged."""
+    leaves, treedef = jax.tree.flatten(tree)
+    floats = [x for x in leaves if _is_float(x)]
+    averaged = iter(comm.pmean(floats, dtype=dtype))
+    return jax.tree.unflatten(treedef, [next(averaged) if _is_float(x) else x for x in leaves])
+
+
+def _float_leaves(tree):
+    return [x for x in jax.tree.leaves(tree) if _is_float(x)]
+
+
+def local_sgd(
+    inner: optax.GradientTransformation,
+    *,
+    comm: Communicator,
+    period: int,
+    warmup_steps: int = 0,
+    average_inner_state: bool = False,
+    local_comm: Communicator | None = None,
+    local_period: int | None = None,
+    dtype: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Take local steps with ``inner``; every ``period`` steps replace the parameters by their mean.
+
+    With :math:`t` the 0-based step, :math:`T_w` = ``warmup_steps`` and :math:`x_i` replica
+    :math:`i`'s parameters:
+
+    * :math:`t < T_w` (post-local SGD warm-up): :math:`g \leftarrow \frac1W\sum_i g_i` before
+      ``inner`` (synchronous SGD; replicas stay identical).
+    * otherwise :math:`x_i \leftarrow x_i + \mathrm{inner}(g_i)`, then, with :math:`s = t - T_w + 1`,
+      if :math:`s \bmod p = 0`: :math:`x_i \leftarrow \frac1W \sum_j x_j` over ``comm``; else, with
+      a node level, if :math:`s \bmod p_\ell = 0`: the mean over ``local_comm`` only.
+
+    ``period=1`` is synchronous SGD by parameter averaging. The returned update is
+    ``target − params``. With ``average_inner_state`` the floating-point leaves of ``inner``'s
+    state (momentum, Adam moments) are averaged at the same syncs. Non-parameter model state
+    (BatchNorm statistics) lives outside the optimizer: average it with ``sync_model_state``.
+
+    Communication (``P`` = parameter bytes in ``dtype``):
+      on each global sync one all-reduce of ``P`` over ``comm`` (ledger ``param_average[...]``);
+      on each node sync one all-reduce of ``P`` over ``local_comm`` (``local_param_average[...]``);
+      during warm-up one all-reduce of the gradients per step (``all_reduce[...]``); with
+      ``average_inner_state`` one all-reduce of the inner state's float leaves per sync
+      (``inner_state_average[...]``). Per step on average: ``P / period``. Syncs run inside
+      ``lax.switch`` on the replicated step counter: nothing is sent on other steps.
+
+    Args:
+      inner: the local optimizer.
+      comm: all replicas.
+      period: steps between global averages (≥ 1).
+      warmup_steps: exact gradient all-reduce steps before local SGD starts (post-local SGD).
+      average_inner_state: also average the inner optimizer's float state at a sync.
+      local_comm: the node-local group for hierarchical averaging (``Hierarchy.local``).
+      local_period: steps between node-local averages; ``period`` must be a multiple of it.
+      dtype: wire dtype of the averages (None: the parameters' dtype).
+
+    Example:
+      >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)  # doctest: +SKIP
+
+    References:
+      Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020. Wang et al.,
+      "SlowMo", ICLR 2020 (fairscale LocalSGD). PyTorch ``PeriodicModelAverager``,
+      ``HierarchicalModelAverager``.
+    """
+    if not isinstance(period, int) or period < 1:
+        raise ValueError(f"period={period!r} must be an int ≥ 1")
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r} must be an int ≥ 0")
+    if (local_comm is None) != (local_period is None):
+        raise ValueError("give both local_comm and local_period for hierarchical averaging, or neither")
+    if local_period is not None and (
+        not isinstance(local_period, int) or local_period < 1 or period % local_period
+    ):
+        raise ValueError(
+            f"local_period={local_period!r} must be an int ≥ 1 dividing period={period}"
+        )
+    for name, c in (("comm", comm), ("local_comm", local_comm)):
+        if c is not None and not isinstance(c, Communicator):
+            raise TypeError(f"{name} must be an optaxdist Communicator, got {type(c).__name__}")
+    wire = canonical_comm_dtype(dtype)
+    inner = optax.with_extra_args_support(inner)
+
+    def kinds(params, inner_state):
+        out = {_kind("param_average", wire, params): payload_bytes(params, wire)}
+        if local_comm is not None:
+            out[_kind("local_param_average", wire, params)] = payload_bytes(params, wire)
+        if warmup_steps:
+            out[_kind("all_reduce", wire, params)] = payload_bytes(params, wire)
+        if average_inner_state and _float_leaves(inner_state):
+            floats = _float_leaves(inner_state)
+            out[_kind("inner_state_average", wire, floats)] = payload_bytes(floats, wire)
+        return out
+
+    def init_fn(params):
+        inner_state = per_replica(inner.init(params), comm)
+        return LocalSgdState(
+            local_step=jnp.zeros((), jnp.int32),
+            sync_level=jnp.zeros((), jnp.int32),
+            inner_state=inner_state,
+            local_sgd_ledger=CommLedger.create(kinds(params, inner_state)),
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("local_sgd needs params: call update(updates, state, params)")
+        t, ledger = state.local_step, state.local_sgd_ledger
+        if warmup_steps:
+            warm = t < warmup_steps
+            updates, ledger = jax.lax.cond(
+                warm,
+                lambda: per_replica((comm.pmean(updates, dtype=wire),
+                                     ledger.record(_kind("all_reduce", wire, updates))), comm),
+                lambda: per_replica((updates, ledger), comm),
+            )
+        local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+
+        s = t - warmup_steps + 1
+        level = jnp.where(s % period == 0, GLOBAL_SYNC, NO_SYNC)
+        if local_period is not None:
+            level = jnp.where((level == NO_SYNC) & (s % local_period == 0), LOCAL_SYNC, level)
+        if warmup_steps:
+            level = jnp.where(warm, NO_SYNC, level)
+
+        def average_over(group: Communicator, kind_prefix: str):
+            def branch(operand):
+                u, inner_s, led = operand
+                local = optax.apply_updates(params, u)
+                target = group.pmean(local, dtype=wire)
+                u = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), target, params)
+                led = led.record(_kind(kind_prefix, wire, params))
+                if average_inner_state and _float_leaves(inner_s):
+                    inner_s = _average_floats(inner_s, group, wire)
+                    led = led.record(_kind("inner_state_average", wire, _float_leaves(inner_s)))
+                return per_replica((u, inner_s, led), comm)
+
+            return branch
+
+        branches = [
+            lambda operand: per_replica(operand, comm),
+            average_over(local_comm, "local_param_average") if local_comm is not None else None,
+            average_over(comm, "param_average"),
+        ]
+        if local_comm is None:
+            branches[LOCAL_SYNC] = branches[NO_SYNC]
+        out, inner_state, ledger = jax.lax.switch(
+            level, branches, (local_updates, inner_state, ledger)
+        )
+        return out, LocalSgdState(
+            local_step=optax.safe_increment(t),
+            sync_level=level.astype(jnp.int32),
+            inner_state=inner_state,
+            local_sgd_ledger=ledger,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sync_levels(opt_state: Any) -> list[jax.Array]:
+    is_state = lambda x: isinstance(x, LocalSgdState)
+    return [s.sync_level for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+
+
+def sync_model_state(
+    model_state: Any,
+    opt_state: Any,
+    *,
+    comm: Communicator,
+    local_comm: Communicator | None = None,
+) -> Any:
+    """Average non-parameter model state (BatchNorm statistics) on the steps where ``local_sgd``
+    just averaged the parameters: over ``comm`` after a global sync, over ``local_comm`` after a
+    node-local one; unchanged otherwise. Call it after ``update`` with the new ``opt_state``.
+
+    Communication: one all-reduce of the float leaves of ``model_state`` on sync steps only.
+    """
+    levels = _sync_levels(opt_state)
+    if len(levels) != 1:
+        raise ValueError(f"found {len(levels)} local_sgd states in opt_state; expected one")
+    level = levels[0]
+    branches = [
+        lambda x: comm.varying(x),
+        (lambda x: comm.varying(_average_floats(x, local_comm, None)))
+        if local_comm is not None
+        else (lambda x: comm.varying(x)),
+        lambda x: comm.varying(_average_floats(x, comm, None)),
+    ]
+    return jax.lax.switch(level, branches, model_state)

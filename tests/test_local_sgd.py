@@ -1,0 +1,260 @@
+"""Local SGD, post-local SGD, hierarchical averaging, DiLoCo and SlowMo."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxdist as od
+from tests.problems import init_params, np_grad, replica_data
+from tests.test_allreduce import LR, run_trajectory
+
+STEPS = 12
+
+
+def close(a, b, atol=1e-5):
+    for k in b:
+        np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=0)
+
+
+def test_period_one_equals_synchronous_sgd(harness):
+    a, _ = run_trajectory(harness, lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=1))
+    b, _ = run_trajectory(harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(LR)))
+    close(a, b, atol=1e-6)
+
+
+def np_local_sgd(n, period, steps=STEPS, lr=LR):
+    params = [{k: v.astype(np.float64) for k, v in init_params().items()} for _ in range(n)]
+    xs, ys = replica_data(n, steps)
+    for t in range(steps):
+        for i in range(n):
+            g = np_grad(params[i], xs[t, i], ys[t, i])
+            params[i] = {k: params[i][k] - lr * g[k] for k in g}
+        if (t + 1) % period == 0:
+            mean = {k: sum(p[k] for p in params) / n for k in params[0]}
+            params = [dict(mean) for _ in range(n)]
+    return {k: np.stack([p[k] for p in params]) for k in params[0]}
+
+
+def test_local_sgd_matches_numpy_and_bytes(harness):
+    period = 4
+    params, state = run_trajectory(
+        harness, lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=period), steps=STEPS
+    )
+    close(params, np_local_sgd(harness.n, period))
+    p_bytes = sum(v.nbytes for v in init_params().values())
+    assert od.comm_stats(state).by_kind == {
+        "param_average[float32]": od.KindTotals(STEPS // period, STEPS // period * p_bytes)
+    }
+
+
+def test_post_local_warmup_is_synchronous_then_local(harness):
+    warm, period = 5, 3
+    params, state = run_trajectory(
+        harness,
+        lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=period, warmup_steps=warm),
+        steps=warm,
+    )
+    ref, _ = run_trajectory(
+        harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(LR)), steps=warm
+    )
+    close(params, ref, atol=1e-6)
+    od.assert_replicas_identical(params)
+    params, state = run_trajectory(
+        harness,
+        lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=period, warmup_steps=warm),
+        steps=warm + 2 * period,
+    )
+    stats = od.comm_stats(state).by_kind
+    assert stats["all_reduce[float32]"].collectives == warm
+    assert stats["param_average[float32]"].collectives == 2
+
+
+def test_inner_state_averaging(harness):
+    n = harness.n
+    tx_factory = lambda c: od.local_sgd(
+        optax.sgd(LR, momentum=0.9), comm=c, period=2, average_inner_state=True
+    )
+    _, state = run_trajectory(harness, tx_factory, steps=4)
+    momentum = [x for x in jax.tree.leaves(state.inner_state) if x.dtype == np.float32]
+    for m in momentum:
+        np.testing.assert_allclose(m, np.broadcast_to(m.mean(0), m.shape), atol=1e-6)
+    if n > 1:
+        _, state = run_trajectory(
+            harness, lambda c: od.local_sgd(optax.sgd(LR, momentum=0.9), comm=c, period=2), steps=4
+        )
+        momentum = [x for x in jax.tree.leaves(state.inner_state) if x.dtype == np.float32]
+        assert any(not np.allclose(m, m.mean(0)) for m in momentum)
+
+
+def test_sync_model_state_only_on_sync_steps(harness):
+    comm, n = harness.comm, harness.n
+    tx = od.local_sgd(optax.sgd(LR), comm=comm, period=2)
+    stats0 = np.arange(n, dtype=np.float32)[:, None] * np.ones((n, 3), np.float32)
+
+    def two_steps(p, bn):
+        s = tx.init(p)
+        _, s = tx.update(p, s, p)
+        bn1 = od.sync_model_state(bn, s, comm=comm)
+        _, s = tx.update(p, s, p)
+        bn2 = od.sync_model_state({"mean": bn1, "count": jnp.int32(7)}, s, comm=comm)
+        return bn1, bn2
+
+    bn1, bn2 = harness.run(two_steps, np.zeros((n, 2), np.float32), stats0)
+    np.testing.assert_array_equal(bn1, stats0)  # step 1: no sync
+    np.testing.assert_allclose(bn2["mean"], np.broadcast_to(stats0.mean(0), stats0.shape))
+    assert (bn2["count"] == 7).all()
+
+
+def test_hierarchical_levels():
+    nodes, local = 2, 4
+    h = od.axis_hierarchy(nodes, local)
+    tx = od.local_sgd(optax.sgd(1.0), comm=h.world, period=4, local_comm=h.local, local_period=2)
+    x = np.arange(nodes * local, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+
+    def run(p):
+        s = tx.init(p)
+        out = []
+        for _ in range(4):
+            u, s = tx.update(jnp.zeros_like(p), s, p)
+            p = optax.apply_updates(p, u)
+            out.append((p, s.sync_level))
+        return out, s
+
+    sim = od.simulate(run, axis_name=("node", "local"), shape=(nodes, local))(x)
+    mh = od.mesh_hierarchy(nodes, local)
+    mesh = od.on_mesh(run, mh.mesh)(x)
+    for out, state in (sim, mesh):
+        levels = [int(lv[0]) for _, lv in out]
+        assert levels == [0, 1, 0, 2]
+        node_mean = np.repeat(x.reshape(nodes, local, 2).mean(1), local, axis=0)
+        np.testing.assert_allclose(out[1][0], node_mean)
+        np.testing.assert_allclose(out[3][0], np.broadcast_to(x.mean(0), x.shape))
+        stats = od.comm_stats(state).by_kind
+        assert stats["local_param_average[float32]"].collectives == 1
+        assert stats["param_average[float32]"].collectives == 1
+
+
+def test_diloco_with_sgd_one_equals_local_sgd(harness):
+    a, _ = run_trajectory(
+        harness, lambda c: od.diloco(optax.sgd(LR), optax.sgd(1.0), comm=c, period=3), steps=STEPS
+    )
+    b, _ = run_trajectory(harness, lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=3), steps=STEPS)
+    close(a, b, atol=1e-6)
+
+
+def test_slowmo_without_momentum_equals_local_sgd(harness):
+    a, _ = run_trajectory(
+        harness,
+        lambda c: od.slowmo(optax.sgd(LR), comm=c, period=3, learning_rate=LR, momentum=0.0),
+        steps=STEPS,
+    )
+    b, _ = run_trajectory(harness, lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=3), steps=STEPS)
+    close(a, b, atol=1e-6)
+
+
+def np_slowmo(n, tau, beta, alpha, lr_fn, steps=STEPS, after_first=False):
+    """fairscale's formula, transcribed."""
+    params = [{k: v.astype(np.float64) for k, v in init_params().items()} for _ in range(n)]
+    x0 = {k: v.copy() for k, v in params[0].items()}
+    u = {k: np.zeros_like(v) for k, v in x0.items()}
+    xs, ys = replica_data(n, steps)
+    for t in range(steps):
+        for i in range(n):
+            g = np_grad(params[i], xs[t, i], ys[t, i])
+            params[i] = {k: params[i][k] - lr_fn(t) * g[k] for k in g}
+        if after_first and t == 0:
+            x0 = {k: sum(p[k] for p in params) / n for k in x0}
+        if (t + 1) % tau == 0:
+            mean = {k: sum(p[k] for p in params) / n for k in x0}
+            u = {k: beta * u[k] + (x0[k] - mean[k]) / lr_fn(t) for k in x0}
+            x0 = {k: x0[k] - alpha * lr_fn(t) * u[k] for k in x0}
+            params = [dict(x0) for _ in range(n)]
+    return {k: np.stack([p[k] for p in params]) for k in params[0]}
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_slowmo_matches_fairscale_formula(harness, memory_efficient):
+    n = harness.n
+    sched = optax.exponential_decay(LR, transition_steps=4, decay_rate=0.5)
+    kw = dict(num_shards=n) if memory_efficient else {}
+    params, state = run_trajectory(
+        harness,
+        lambda c: od.slowmo(optax.sgd(sched), comm=c, period=3, learning_rate=sched, momentum=0.5,
+                            slow_lr=0.8, memory_efficient=memory_efficient, **kw),
+        steps=STEPS,
+    )
+    want = np_slowmo(n, 3, 0.5, 0.8, lambda t: LR * 0.5 ** (t / 4))
+    close(params, want)
+    p_elems = sum(v.size for v in init_params().values())
+    stats = od.comm_stats(state).by_kind
+    syncs = STEPS // 3
+    if memory_efficient:
+        block = -(-p_elems // n)
+        assert stats == {
+            "reduce_scatter[float32]": od.KindTotals(syncs, syncs * block * n * 4),
+            "all_gather[float32]": od.KindTotals(syncs, syncs * block * 4),
+        }
+    else:
+        assert stats == {"all_reduce[float32]": od.KindTotals(syncs, syncs * p_elems * 4)}
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_slowmo_anchor_after_first_step(harness, memory_efficient):
+    n = harness.n
+    kw = dict(num_shards=n) if memory_efficient else {}
+    params, _ = run_trajectory(
+        harness,
+        lambda c: od.slowmo(optax.sgd(LR), comm=c, period=3, learning_rate=LR, momentum=0.5,
+                            anchor_after_first_step=True, memory_efficient=memory_efficient, **kw),
+        steps=6,
+    )
+    # x0 = the replicas' mean after step 0: the first slow step covers 2 local steps
+    close(params, np_slowmo(n, 3, 0.5, 1.0, lambda t: LR, steps=6, after_first=True))
+    assert not np.allclose(params["w"], np_slowmo(n, 3, 0.5, 1.0, lambda t: LR, steps=6)["w"])
+
+
+def test_diloco_defaults_and_compressed_pseudo_gradients(harness):
+    n = harness.n
+    period = 4
+    params, state = run_trajectory(
+        harness,
+        lambda c: od.diloco(
+            optax.sgd(LR), comm=c, period=period,
+            reducer=od.compressed_allreduce(od.compress.top_k(fraction=0.5), comm=c),
+        ),
+        steps=2 * period,
+    )
+    # params + (x0 − params) is x0 up to an ulp: the anchor in the state is the exact copy
+    np.testing.assert_allclose(params["w"], np.broadcast_to(params["w"][0], params["w"].shape),
+                               atol=1e-6)
+    od.assert_replicas_identical(state.anchor_params)
+    assert np.isfinite(params["w"]).all()
+    stats = od.comm_stats(state).by_kind
+    w, b = init_params()["w"].size, init_params()["b"].size
+    k = w // 2 + b // 2
+    assert stats == {"all_gather[top_k]": od.KindTotals(2, 2 * k * 8)}
+    assert jax.tree.leaves(state.reducer_state.error)  # per-replica residuals kept
+    del n
+
+
+def test_bad_arguments():
+    comm = od.AxisComm("replica")
+    with pytest.raises(ValueError, match="period="):
+        od.local_sgd(optax.sgd(0.1), comm=comm, period=0)
+    with pytest.raises(ValueError, match="warmup_steps="):
+        od.local_sgd(optax.sgd(0.1), comm=comm, period=2, warmup_steps=-1)
+    with pytest.raises(ValueError, match="local_period="):
+        od.local_sgd(optax.sgd(0.1), comm=comm, period=6, local_comm=comm, local_period=4)
+    with pytest.raises(ValueError, match="both local_comm"):
+        od.local_sgd(optax.sgd(0.1), comm=comm, period=6, local_period=2)
+    with pytest.raises(ValueError, match="period="):
+        od.diloco(optax.sgd(0.1), comm=comm, period=0)
+    with pytest.raises(ValueError, match="num_shards"):
+        od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, memory_efficient=True)
+    with pytest.raises(ValueError, match="momentum="):
+        od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, momentum=-1.0)
+    with pytest.raises(ValueError, match="can't be combined"):
+        od.outer_sync(optax.sgd(0.1), optax.sgd(1.0), comm=comm, period=2, num_shards=2,
+                      reducer=od.allreduce(comm=comm))
