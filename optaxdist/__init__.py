@@ -58,6 +58,14 @@ from optaxdist.transforms.outer import (
     slowmo,
     slowmo_outer_optimizer,
 )
+from optaxdist.transforms.partial import (
+    PartialAverageState,
+    StreamingDilocoState,
+    balanced_fragments,
+    partial_average,
+    singa_partitions,
+    streaming_diloco,
+)
 from optaxdist.transforms.powersgd import PowerSgdState, powersgd
 from optaxdist.transforms.sign_sgd import SignSgdState, sign_sgd
 from optaxdist.transforms.singa import SingaSgdState, singa_exponential_decay, singa_sgd
@@ -81,9 +89,11 @@ __all__ = [
     "LocalSgdState",
     "MpiComm",
     "OuterSyncState",
+    "PartialAverageState",
     "PowerSgdState",
     "SignSgdState",
     "SlowMoOuterState",
+    "StreamingDilocoState",
     "SingaSgdState",
     "allreduce",
     "assert_replicas_identical",
@@ -91,6 +101,7 @@ __all__ = [
     "averaged_iterate",
     "averaged_params",
     "axis_hierarchy",
+    "balanced_fragments",
     "broadcast_from_root",
     "comm_stats",
     "compress",
@@ -107,6 +118,7 @@ __all__ = [
     "mpi_hierarchy",
     "on_mesh",
     "outer_sync",
+    "partial_average",
     "on_mpi",
     "payload_bytes",
     "powersgd",
@@ -115,11 +127,13 @@ __all__ = [
     "replicate",
     "scale_loss",
     "simulate",
+    "singa_partitions",
     "sign_sgd",
     "singa_exponential_decay",
     "singa_sgd",
     "skip_nonfinite",
     "slowmo",
     "slowmo_outer_optimizer",
+    "streaming_diloco",
     "sync_model_state",
 ]

@@ -77,6 +77,14 @@ TRANSFORMS = {
                                    "anchor_after_first_step": True} | kw)),
         dict(slow_lr=0.0),
     ),
+    "partial_average": (
+        lambda **kw: od.partial_average(optax.sgd(0.1), comm=COMM, **kw), None
+    ),
+    "streaming_diloco": (
+        lambda **kw: od.streaming_diloco(optax.sgd(0.1), comm=COMM,
+                                         **({"period": 2, "num_fragments": 2} | kw)),
+        dict(num_fragments=3),
+    ),
     "sign_sgd": (lambda **kw: od.sign_sgd(0.1, momentum=0.9, **kw), dict(weight_decay=-1.0)),
     "averaged_iterate": (lambda **kw: od.averaged_iterate(**({"shift": 3.0} | kw)), dict(shift=0.0)),
     "singa_sgd": (

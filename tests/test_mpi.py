@@ -16,6 +16,7 @@ HARNESS_TEST_FILES = [
     "tests/test_compress.py",
     "tests/test_powersgd.py",
     "tests/test_local_sgd.py",
+    "tests/test_partial.py",
 ]
 
 
