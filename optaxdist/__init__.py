@@ -1,6 +1,6 @@
 """optaxdist: distributed, communication-efficient training as composable Optax transformations."""
 
-from optaxdist import compress
+from optaxdist import compress, topology
 from optaxdist.accounting import CommLedger, CommStats, KindTotals, comm_stats, payload_bytes
 from optaxdist.comm import (
     AxisComm,
@@ -23,6 +23,7 @@ from optaxdist.parallel import (
     replicate,
     simulate,
 )
+from optaxdist.topology import Topology
 from optaxdist.transforms.allreduce import (
     AllReduceState,
     AverageParamsState,
@@ -94,6 +95,7 @@ __all__ = [
     "SignSgdState",
     "SlowMoOuterState",
     "StreamingDilocoState",
+    "Topology",
     "SingaSgdState",
     "allreduce",
     "assert_replicas_identical",
@@ -136,4 +138,5 @@ __all__ = [
     "slowmo_outer_optimizer",
     "streaming_diloco",
     "sync_model_state",
+    "topology",
 ]

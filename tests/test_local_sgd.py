@@ -13,6 +13,15 @@ from tests.test_allreduce import LR, run_trajectory
 STEPS = 12
 
 
+def sync_stats(state):
+    """Ledger totals without the one-time start check (tested in test_check_start)."""
+    stats = dict(od.comm_stats(state).by_kind)
+    start = stats.pop("broadcast[start check]", None)
+    p_bytes = sum(v.nbytes for v in init_params().values())
+    assert start in (None, od.KindTotals(1, p_bytes + 4)), start
+    return stats
+
+
 def close(a, b, atol=1e-5):
     for k in b:
         np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=0)
@@ -44,7 +53,7 @@ def test_local_sgd_matches_numpy_and_bytes(harness):
     )
     close(params, np_local_sgd(harness.n, period))
     p_bytes = sum(v.nbytes for v in init_params().values())
-    assert od.comm_stats(state).by_kind == {
+    assert sync_stats(state) == {
         "param_average[float32]": od.KindTotals(STEPS // period, STEPS // period * p_bytes)
     }
 
@@ -66,7 +75,7 @@ def test_post_local_warmup_is_synchronous_then_local(harness):
         lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=period, warmup_steps=warm),
         steps=warm + 2 * period,
     )
-    stats = od.comm_stats(state).by_kind
+    stats = sync_stats(state)
     assert stats["all_reduce[float32]"].collectives == warm
     assert stats["param_average[float32]"].collectives == 2
 
@@ -110,7 +119,8 @@ def test_sync_model_state_only_on_sync_steps(harness):
 def test_hierarchical_levels():
     nodes, local = 2, 4
     h = od.axis_hierarchy(nodes, local)
-    tx = od.local_sgd(optax.sgd(1.0), comm=h.world, period=4, local_comm=h.local, local_period=2)
+    tx = od.local_sgd(optax.sgd(1.0), comm=h.world, period=4, local_comm=h.local, local_period=2,
+                      check_start=False)  # replicas start apart on purpose
     x = np.arange(nodes * local, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
 
     def run(p):
@@ -131,7 +141,7 @@ def test_hierarchical_levels():
         node_mean = np.repeat(x.reshape(nodes, local, 2).mean(1), local, axis=0)
         np.testing.assert_allclose(out[1][0], node_mean)
         np.testing.assert_allclose(out[3][0], np.broadcast_to(x.mean(0), x.shape))
-        stats = od.comm_stats(state).by_kind
+        stats = sync_stats(state)
         assert stats["local_param_average[float32]"].collectives == 1
         assert stats["param_average[float32]"].collectives == 1
 
@@ -188,7 +198,7 @@ def test_slowmo_matches_fairscale_formula(harness, memory_efficient):
     want = np_slowmo(n, 3, 0.5, 0.8, lambda t: LR * 0.5 ** (t / 4))
     close(params, want)
     p_elems = sum(v.size for v in init_params().values())
-    stats = od.comm_stats(state).by_kind
+    stats = sync_stats(state)
     syncs = STEPS // 3
     if memory_efficient:
         block = -(-p_elems // n)
@@ -231,7 +241,7 @@ def test_diloco_defaults_and_compressed_pseudo_gradients(harness):
                                atol=1e-6)
     od.assert_replicas_identical(state.anchor_params)
     assert np.isfinite(params["w"]).all()
-    stats = od.comm_stats(state).by_kind
+    stats = sync_stats(state)
     w, b = init_params()["w"].size, init_params()["b"].size
     k = w // 2 + b // 2
     assert stats == {"all_gather[top_k]": od.KindTotals(2, 2 * k * 8)}
@@ -258,3 +268,33 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="can't be combined"):
         od.outer_sync(optax.sgd(0.1), optax.sgd(1.0), comm=comm, period=2, num_shards=2,
                       reducer=od.allreduce(comm=comm))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=2),
+        lambda c: od.diloco(optax.sgd(LR), comm=c, period=2),
+        lambda c: od.partial_average(optax.sgd(LR), comm=c),
+        lambda c: od.streaming_diloco(optax.sgd(LR), comm=c, period=2, num_fragments=2),
+    ],
+    ids=["local_sgd", "diloco", "partial_average", "streaming_diloco"],
+)
+def test_check_start(harness, make):
+    n = harness.n
+    tx = make(harness.comm)
+    p = od.replicate(jax.tree.map(jnp.asarray, init_params()), n)
+
+    def two_steps(q):
+        s = tx.init(q)
+        u, s = tx.update(q, s, q)
+        u, s = tx.update(q, s, optax.apply_updates(q, u))
+        return s
+
+    state = harness.run(two_steps, p)
+    p_bytes = sum(v.nbytes for v in init_params().values())
+    assert od.comm_stats(state).by_kind["broadcast[start check]"] == od.KindTotals(1, p_bytes + 4)
+    if n > 1:
+        different = jax.tree.map(lambda x: x.at[n - 1].add(1.0), p)
+        with pytest.raises(Exception, match="do not start from identical parameters"):
+            harness.run(two_steps, different)

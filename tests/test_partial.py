@@ -8,7 +8,7 @@ import pytest
 import optaxdist as od
 from tests.problems import init_params, np_grad, replica_data
 from tests.test_allreduce import LR, run_trajectory
-from tests.test_local_sgd import close
+from tests.test_local_sgd import close, sync_stats
 
 
 def test_singa_partitions_pack_in_backward_order():
@@ -42,7 +42,7 @@ def test_partial_average_round_robin(harness):
         harness, lambda c: od.partial_average(optax.sgd(LR), comm=c, partitions=parts), steps=5
     )
     close(params, np_partial(harness.n, parts, 5))
-    stats = od.comm_stats(state).by_kind
+    stats = sync_stats(state)
     assert stats["all_reduce[partition0:float32]"] == od.KindTotals(3, 3 * 6 * 4)
     assert stats["all_reduce[partition1:float32]"] == od.KindTotals(2, 2 * 2 * 4)
 
@@ -88,7 +88,7 @@ def test_streaming_fragments_staggered_and_delayed(harness, delay, blend):
         steps=11,
     )
     close(params, np_streaming(harness.n, period, frags, 11, delay, blend))
-    stats = od.comm_stats(state).by_kind
+    stats = sync_stats(state)
     # fragment 0 syncs at t = 3, 7; fragment 1 at t = 1, 5, 9
     assert stats["all_reduce[fragment0:float32]"] == od.KindTotals(2, 2 * 2 * 4)
     assert stats["all_reduce[fragment1:float32]"] == od.KindTotals(3, 3 * 6 * 4)

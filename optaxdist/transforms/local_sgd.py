@@ -11,6 +11,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.transforms._start import check_identical_start, start_kinds
 from optaxdist.transforms.allreduce import _kind
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
@@ -59,6 +60,7 @@ def local_sgd(
     local_comm: Communicator | None = None,
     local_period: int | None = None,
     dtype: Any = None,
+    check_start: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Take local steps with ``inner``; every ``period`` steps replace the parameters by their mean.
 
@@ -93,6 +95,9 @@ def local_sgd(
       local_comm: the node-local group for hierarchical averaging (``Hierarchy.local``).
       local_period: steps between node-local averages; ``period`` must be a multiple of it.
       dtype: wire dtype of the averages (None: the parameters' dtype).
+      check_start: on the first step, check that all replicas start from identical parameters
+        and raise ``ValueError`` otherwise (one broadcast of the parameters, ledger
+        ``broadcast[start check]``). Make them identical with ``broadcast_from_root``.
 
     Example:
       >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)  # doctest: +SKIP
@@ -129,7 +134,7 @@ def local_sgd(
         if average_inner_state and _float_leaves(inner_state):
             floats = _float_leaves(inner_state)
             out[_kind("inner_state_average", wire, floats)] = payload_bytes(floats, wire)
-        return out
+        return out | start_kinds(check_start, params)
 
     def init_fn(params):
         inner_state = per_replica(inner.init(params), comm)
@@ -143,7 +148,8 @@ def local_sgd(
     def update_fn(updates, state, params=None, **extra):
         if params is None:
             raise ValueError("local_sgd needs params: call update(updates, state, params)")
-        t, ledger = state.local_step, state.local_sgd_ledger
+        t = state.local_step
+        ledger = check_identical_start(check_start, params, t, state.local_sgd_ledger, comm)
         if warmup_steps:
             warm = t < warmup_steps
             updates, ledger = jax.lax.cond(

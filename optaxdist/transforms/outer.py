@@ -17,6 +17,7 @@ from jax.flatten_util import ravel_pytree
 
 from optaxdist.accounting import CommLedger, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
+from optaxdist.transforms._start import check_identical_start, start_kinds
 from optaxdist.transforms.allreduce import allreduce
 
 ANCHOR_KIND = "anchor_average[float32]"
@@ -53,6 +54,7 @@ def outer_sync(
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
     anchor_after_first_step: bool = False,
+    check_start: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""The engine behind ``diloco`` and ``slowmo``; see ``diloco`` for the math.
 
@@ -74,6 +76,8 @@ def outer_sync(
         the first sync then covers ``period − 1`` steps) instead of before training. fairscale
         takes each process's own parameters, so its replicas' anchors differ; here it is their
         mean (one extra all-reduce at step 0, ledger ``anchor_average[float32]``).
+      check_start: on the first step, raise ``ValueError`` if the replicas' parameters differ
+        (one broadcast, ledger ``broadcast[start check]``).
     """
     if not isinstance(period, int) or period < 1:
         raise ValueError(f"period={period!r} must be an int ≥ 1")
@@ -89,7 +93,8 @@ def outer_sync(
     sharded = num_shards is not None
 
     def anchor_kind(params) -> dict[str, int]:
-        return {ANCHOR_KIND: payload_bytes(params)} if anchor_after_first_step else {}
+        kinds = {ANCHOR_KIND: payload_bytes(params)} if anchor_after_first_step else {}
+        return kinds | start_kinds(check_start, params)
 
     def block_size(params) -> tuple[int, int]:
         size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
@@ -139,7 +144,8 @@ def outer_sync(
         local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
         local = optax.apply_updates(params, local_updates)
 
-        anchor, ledger = state.anchor_params, state.outer_ledger
+        anchor = state.anchor_params
+        ledger = check_identical_start(check_start, params, t, state.outer_ledger, comm)
         if anchor_after_first_step:
             # fairscale's quirk, made consistent: x0 is the replicas' mean after the first step
             def first(operand):
@@ -216,6 +222,7 @@ def diloco(
     period: int,
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
+    check_start: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""DiLoCo: ``period`` local steps of ``inner``, then an outer step on the averaged displacement.
 
@@ -243,6 +250,7 @@ def diloco(
       period: H, local steps between syncs (DiLoCo: 500).
       reducer: averages the pseudo-gradients (default ``allreduce(comm=comm)``).
       num_shards: shard the anchor and outer state over the replicas (``= comm.size``).
+      check_start: raise on the first step if the replicas' parameters differ.
 
     Example:
       >>> tx = diloco(optax.adamw(4e-4), comm=comm, period=500)  # doctest: +SKIP
@@ -253,7 +261,7 @@ def diloco(
     """
     return outer_sync(
         inner, outer if outer is not None else diloco_outer_optimizer(),
-        comm=comm, period=period, reducer=reducer, num_shards=num_shards,
+        comm=comm, period=period, reducer=reducer, num_shards=num_shards, check_start=check_start,
     )
 
 
@@ -297,6 +305,7 @@ def slowmo(
     memory_efficient: bool = False,
     anchor_after_first_step: bool = False,
     num_shards: int | None = None,
+    check_start: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SlowMo (fairscale ``SlowMoDistributedDataParallel`` with LocalSGD base): local steps, and
     every ``period`` (τ) steps average the parameters and take a slow-momentum step.
@@ -325,6 +334,7 @@ def slowmo(
         first slow step then covers τ−1 steps), as the replicas' mean (fairscale: each process's
         own). Default: the parameters before training.
       num_shards: the group size, required with ``memory_efficient`` (static).
+      check_start: raise on the first step if the replicas' parameters differ.
 
     References:
       Wang, Tantia, Ballas, Rabbat, "SlowMo: Improving Communication-Efficient Distributed SGD with
@@ -342,5 +352,5 @@ def slowmo(
         inner,
         slowmo_outer_optimizer(learning_rate, momentum=momentum, slow_lr=slow_lr),
         comm=comm, period=period, num_shards=num_shards,
-        anchor_after_first_step=anchor_after_first_step,
+        anchor_after_first_step=anchor_after_first_step, check_start=check_start,
     )

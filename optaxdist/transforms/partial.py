@@ -20,6 +20,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
+from optaxdist.transforms._start import check_identical_start, start_kinds
 from optaxdist.transforms.outer import diloco_outer_optimizer
 
 Partition = tuple[tuple[int, ...], ...]
@@ -93,6 +94,7 @@ def partial_average(
     *,
     comm: Communicator,
     partitions: Partition | Any = singa_partitions,
+    check_start: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps; after step :math:`t`, partition :math:`t \bmod K` is replaced by its mean.
 
@@ -113,6 +115,7 @@ def partial_average(
       partitions: a tuple of tuples of leaf indices (of ``jax.tree.leaves(params)``), or a
         function of the parameters returning one (default ``singa_partitions``, SINGA's packing
         by 2,097,152 elements in backward order).
+      check_start: raise on the first step if the replicas' parameters differ (one broadcast).
 
     References:
       Apache SINGA ``DistOpt.backward_and_partial_update``.
@@ -130,7 +133,7 @@ def partial_average(
             partial_ledger=CommLedger.create({
                 _kind(k, [leaves[i] for i in part]): payload_bytes([leaves[i] for i in part])
                 for k, part in enumerate(parts)
-            }),
+            } | start_kinds(check_start, params)),
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -153,10 +156,11 @@ def partial_average(
 
             return branch
 
+        ledger = check_identical_start(
+            check_start, params, state.partial_step, state.partial_ledger, comm
+        )
         out, ledger = jax.lax.switch(
-            state.partial_step % len(parts),
-            [average(k) for k in range(len(parts))],
-            state.partial_ledger,
+            state.partial_step % len(parts), [average(k) for k in range(len(parts))], ledger
         )
         return jax.tree.unflatten(treedef, out), PartialAverageState(
             partial_step=optax.safe_increment(state.partial_step),
@@ -199,6 +203,7 @@ def streaming_diloco(
     delay: int = 0,
     blend: float = 0.0,
     fragments: Partition | None = None,
+    check_start: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Streaming DiLoCo: DiLoCo per fragment, fragment syncs staggered across the period.
 
@@ -223,6 +228,7 @@ def streaming_diloco(
         most one merge is pending.
       blend: α ∈ [0, 1), the weight of the local value at the merge.
       fragments: explicit fragments (tuples of leaf indices); default ``balanced_fragments``.
+      check_start: raise on the first step if the replicas' parameters differ (one broadcast).
 
     References:
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed
@@ -269,7 +275,7 @@ def streaming_diloco(
                     [leaves[i] for i in part]
                 )
                 for f, part in enumerate(parts)
-            }),
+            } | start_kinds(check_start, params)),
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -309,7 +315,8 @@ def streaming_diloco(
         anchor, outer_states, ledger = jax.lax.switch(
             syncing + 1,
             [no_sync] + [sync(f) for f in range(num_fragments)],
-            (anchor, state.fragment_outer_states, state.stream_ledger),
+            (anchor, state.fragment_outer_states,
+             check_identical_start(check_start, params, t, state.stream_ledger, comm)),
         )
         pending = jnp.where(syncing >= 0, syncing, state.pending_fragment)
         due = jnp.where(syncing >= 0, t + delay, state.pending_due)
