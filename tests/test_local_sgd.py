@@ -298,3 +298,24 @@ def test_check_start(harness, make):
         different = jax.tree.map(lambda x: x.at[n - 1].add(1.0), p)
         with pytest.raises(Exception, match="do not start from identical parameters"):
             harness.run(two_steps, different)
+
+
+def test_check_start_with_a_batched_step_counter():
+    """State built by jax.vmap(tx.init) carries a batched counter: under vmap both branches of the
+    step-0 check run on every step; it must still only look at step 0."""
+    comm = od.AxisComm("replica")
+    tx = od.local_sgd(optax.sgd(LR), comm=comm, period=3)
+    n = 4
+    p = od.replicate(jax.tree.map(jnp.asarray, init_params()), n)
+    state = jax.vmap(tx.init)(p)
+    xs, ys = replica_data(n, 5)
+
+    def step(q, s, x, y):
+        u, s = tx.update(jax.grad(lambda r: jnp.sum((x @ r["w"] + r["b"] - y) ** 2))(q), s, q)
+        return optax.apply_updates(q, u), s
+
+    run = od.simulate(step)
+    for t in range(5):  # replicas differ between syncs: the check must not fire
+        p, state = run(p, state, xs[t], ys[t])
+    jax.block_until_ready(p)
+    assert od.comm_stats(state).by_kind["broadcast[start check]"].collectives == 1
