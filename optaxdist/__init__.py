@@ -41,6 +41,13 @@ from optaxdist.transforms.compressed import (
     compressed_allreduce,
     exact_warmup,
 )
+from optaxdist.transforms.gossip import (
+    DecentralizedSgdState,
+    SgpState,
+    consensus_distance,
+    decentralized_sgd,
+    sgp,
+)
 from optaxdist.transforms.local_sgd import LocalSgdState, local_sgd, sync_model_state
 from optaxdist.transforms.loss_scale import (
     DynamicLossScaleState,
@@ -84,6 +91,7 @@ __all__ = [
     "CompressedAllReduceState",
     "ExactWarmupState",
     "Communicator",
+    "DecentralizedSgdState",
     "DynamicLossScaleState",
     "Hierarchy",
     "KindTotals",
@@ -92,6 +100,7 @@ __all__ = [
     "OuterSyncState",
     "PartialAverageState",
     "PowerSgdState",
+    "SgpState",
     "SignSgdState",
     "SlowMoOuterState",
     "StreamingDilocoState",
@@ -107,7 +116,9 @@ __all__ = [
     "broadcast_from_root",
     "comm_stats",
     "compress",
+    "consensus_distance",
     "compressed_allreduce",
+    "decentralized_sgd",
     "diloco",
     "diloco_outer_optimizer",
     "dynamic_loss_scale",
@@ -128,6 +139,7 @@ __all__ = [
     "replicas_identical",
     "replicate",
     "scale_loss",
+    "sgp",
     "simulate",
     "singa_partitions",
     "sign_sgd",

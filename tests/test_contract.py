@@ -85,6 +85,17 @@ TRANSFORMS = {
                                          **({"period": 2, "num_fragments": 2} | kw)),
         dict(num_fragments=3),
     ),
+    "decentralized_sgd": (
+        lambda **kw: od.decentralized_sgd(optax.sgd(0.1, momentum=0.9), comm=COMM,
+                                          **({"topology": od.topology.ring(N)} | kw)),
+        dict(global_every=0),
+    ),
+    "sgp_overlap": (
+        lambda **kw: od.sgp(optax.sgd(0.1), comm=COMM,
+                            **({"topology": od.topology.ring(N, directed=True), "overlap": True,
+                                "global_every": 2} | kw)),
+        dict(ordering="pull"),
+    ),
     "sign_sgd": (lambda **kw: od.sign_sgd(0.1, momentum=0.9, **kw), dict(weight_decay=-1.0)),
     "averaged_iterate": (lambda **kw: od.averaged_iterate(**({"shift": 3.0} | kw)), dict(shift=0.0)),
     "singa_sgd": (

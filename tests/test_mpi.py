@@ -17,6 +17,7 @@ HARNESS_TEST_FILES = [
     "tests/test_powersgd.py",
     "tests/test_local_sgd.py",
     "tests/test_partial.py",
+    "tests/test_gossip.py",
 ]
 
 

@@ -1,0 +1,205 @@
+"""Gossip: D-PSGD and Stochastic Gradient Push on static topologies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxdist as od
+from optaxdist import topology as topo
+from tests.problems import init_params, np_grad, replica_data
+from tests.test_allreduce import LR, run_trajectory
+from tests.test_local_sgd import close
+
+STEPS = 8
+
+
+def np_dpsgd(n, topology, steps=STEPS):
+    params = [{k: v.astype(np.float64) for k, v in init_params().items()} for _ in range(n)]
+    xs, ys = replica_data(n, steps)
+    for t in range(steps):
+        local = []
+        for i in range(n):
+            g = np_grad(params[i], xs[t, i], ys[t, i])
+            local.append({k: params[i][k] - LR * g[k] for k in g})
+        w = topology.mixing_matrix(t)
+        params = [{k: sum(w[i, j] * local[j][k] for j in range(n)) for k in local[0]} for i in range(n)]
+    return {k: np.stack([p[k] for p in params]) for k in params[0]}
+
+
+def test_ring_dpsgd_matches_numpy_and_bytes(harness):
+    n = harness.n
+    ring = topo.ring(n)
+    params, state = run_trajectory(
+        harness, lambda c: od.decentralized_sgd(optax.sgd(LR), comm=c, topology=ring), steps=STEPS
+    )
+    close(params, np_dpsgd(n, ring))
+    p_bytes = sum(v.nbytes for v in init_params().values())
+    slots = ring.rounds[0].num_slots
+    stats = od.comm_stats(state).by_kind
+    assert stats["permute[params]"] == od.KindTotals(STEPS * slots, STEPS * slots * p_bytes)
+
+
+def test_time_varying_exponential_graph(harness):
+    n = harness.n
+    if n < 2:
+        return
+    g = topo.npeer_dynamic_directed_exponential_graph(n)
+    params, state = run_trajectory(
+        harness, lambda c: od.decentralized_sgd(optax.sgd(LR), comm=c, topology=g), steps=STEPS
+    )
+    close(params, np_dpsgd(n, g))
+    # one peer per round: one message of the parameters per step, whatever n is
+    p_bytes = sum(v.nbytes for v in init_params().values())
+    assert od.comm_stats(state).by_kind["permute[params]"] == od.KindTotals(STEPS, STEPS * p_bytes)
+
+
+def test_sgp_equals_dpsgd_on_regular_uniform_graphs(harness):
+    n = harness.n
+    g = topo.npeer_dynamic_directed_exponential_graph(n) if n > 1 else topo.complete(1)
+    a, sa = run_trajectory(harness, lambda c: od.sgp(optax.sgd(LR), comm=c, topology=g), steps=STEPS)
+    b, _ = run_trajectory(
+        harness, lambda c: od.decentralized_sgd(optax.sgd(LR), comm=c, topology=g), steps=STEPS
+    )
+    close(a, b, atol=1e-6)
+    np.testing.assert_array_equal(sa.ps_weight, 1.0)
+    assert "permute[ps_weight]" not in od.comm_stats(sa).by_kind  # doubly stochastic: no weight sent
+
+
+def test_same_numbers_on_every_harness(harness):
+    from tests.harness import VmapHarness
+
+    n = harness.n
+    g = topo.npeer_dynamic_directed_exponential_graph(n, peers_per_itr=min(2, max(n - 1, 1))) \
+        if n > 2 else topo.ring(max(n, 1), directed=True)
+    make = lambda c: od.sgp(optax.sgd(LR, momentum=0.9), comm=c, topology=g, overlap=True)
+    a, _ = run_trajectory(harness, make, steps=STEPS)
+    b, _ = run_trajectory(VmapHarness(n), make, steps=STEPS)
+    close(a, b, atol=1e-6)
+
+
+def push_sum_values(harness, topology, steps, *, overlap=False, global_every=None):
+    """Zero gradients from different starting values: gossip alone."""
+    n = harness.n
+    x0 = np.linspace(-3.0, 5.0, n, dtype=np.float32)[:, None] * np.ones((n, 2), np.float32)
+    tx = od.sgp(optax.sgd(LR), comm=harness.comm, topology=topology, overlap=overlap,
+                global_every=global_every, check_start=False)
+
+    def run(x):
+        s = tx.init(x)
+
+        def body(carry, _):
+            z, s = carry
+            u, s = tx.update(jnp.zeros_like(z), s, z)
+            z = optax.apply_updates(z, u)
+            return (z, s), (z, s.ps_weight)
+
+        return jax.lax.scan(body, (x, s), None, length=steps)
+
+    (z, state), (zs, ws) = harness.run(run, x0)
+    return x0, z, state, zs, ws
+
+
+def nonregular_directed(n):
+    # node 0 sends to everyone, the others only to their successor: column-stochastic, not regular
+    return topo.from_neighbors([list(range(1, n))] + [[(i + 1) % n] for i in range(1, n)],
+                               directed=True)
+
+
+def test_push_sum_debiases_on_a_nonregular_directed_graph(harness):
+    n = harness.n
+    if n < 3:
+        return
+    g = nonregular_directed(n)
+    assert not g.is_row_stochastic() and g.is_column_stochastic()
+    x0, z, state, _, ws = push_sum_values(harness, g, 60)
+    np.testing.assert_allclose(z, np.broadcast_to(x0.mean(0), x0.shape), atol=1e-4)
+    assert not np.allclose(ws[:, -1], 1.0)  # the weights did the de-biasing
+    # plain (un-weighted) mixing with the same matrix converges to a biased value
+    m = g.mixing_matrix(0)
+    plain = np.linalg.matrix_power(m, 200) @ x0
+    assert np.abs(plain - x0.mean(0)).max() > 0.1
+    assert "permute[ps_weight]" in od.comm_stats(state, replica=0).by_kind
+
+
+def test_overlap_conserves_mass_and_converges(harness):
+    n = harness.n
+    if n < 3:
+        return
+    x0, z, _, _, _ = push_sum_values(harness, nonregular_directed(n), 120, overlap=True)
+    np.testing.assert_allclose(z, np.broadcast_to(x0.mean(0), x0.shape), atol=1e-3)
+
+
+def test_global_average_steps(harness):
+    n = harness.n
+    if n < 3:
+        return
+    x0, _, _, zs, ws = push_sum_values(harness, nonregular_directed(n), 6, global_every=3)
+    # outputs are stacked per replica: zs[i, t] is replica i after step t
+    np.testing.assert_allclose(zs[:, 2], np.broadcast_to(x0.mean(0), x0.shape), atol=1e-5)
+    np.testing.assert_array_equal(ws[:, 2], 1.0)
+    assert not np.allclose(zs[:, 1], x0.mean(0), atol=1e-3)
+
+
+def test_dpsgd_metropolis_star_keeps_the_average():
+    n = 6
+    harness = __import__("tests.harness", fromlist=["VmapHarness"]).VmapHarness(n)
+    x0 = np.arange(n, dtype=np.float32)[:, None] * np.ones((n, 2), np.float32)
+    for metropolis, unbiased in ((True, True), (False, False)):
+        tx = od.decentralized_sgd(optax.sgd(LR), comm=harness.comm, topology=topo.star(n),
+                                  metropolis=metropolis, check_start=False)
+
+        def run(x, tx=tx):
+            s = tx.init(x)
+            for _ in range(80):
+                u, s = tx.update(jnp.zeros_like(x), s, x)
+                x = optax.apply_updates(x, u)
+            return x, s
+
+        x, state = harness.run(run, x0)
+        assert np.allclose(x, x0.mean(0), atol=1e-4) == unbiased
+    # the hub sends in every slot, a leaf in one: per-replica ledgers differ
+    assert od.comm_stats(state, replica=0).collectives == 80 * (n - 1)
+    assert od.comm_stats(state, replica=1).collectives == 80
+    with pytest.raises(ValueError, match="replica="):
+        od.comm_stats(state)
+
+
+def test_slowmo_over_sgp_equals_sgp_with_global_averages(harness):
+    n = harness.n
+    ring = topo.ring(n)
+    a, _ = run_trajectory(
+        harness,
+        lambda c: od.slowmo(od.sgp(optax.sgd(LR), comm=c, topology=ring, check_start=False),
+                            comm=c, period=4, learning_rate=LR, momentum=0.0),
+        steps=STEPS,
+    )
+    b, _ = run_trajectory(
+        harness, lambda c: od.sgp(optax.sgd(LR), comm=c, topology=ring, global_every=4), steps=STEPS
+    )
+    close(a, b, atol=1e-5)
+
+
+def test_consensus_distance(harness):
+    n = harness.n
+    x = np.random.default_rng(0).normal(size=(n, 3)).astype(np.float32)
+    d = harness.run(lambda v: od.consensus_distance({"v": v}, comm=harness.comm), x)
+    np.testing.assert_allclose(d, ((x - x.mean(0)) ** 2).sum(1).mean(), rtol=1e-5)
+
+
+def test_bad_arguments():
+    comm = od.AxisComm("replica")
+    with pytest.raises(TypeError, match="topology"):
+        od.sgp(optax.sgd(0.1), comm=comm, topology="ring")
+    with pytest.raises(ValueError, match="push_pull"):
+        od.sgp(optax.sgd(0.1), comm=comm, topology=topo.ring(3), ordering="push_pull")
+    with pytest.raises(ValueError, match="ordering="):
+        od.sgp(optax.sgd(0.1), comm=comm, topology=topo.ring(4), ordering="gossip")
+    with pytest.raises(ValueError, match="row-stochastic"):
+        od.decentralized_sgd(optax.sgd(0.1), comm=comm, topology=nonregular_directed(4))
+    with pytest.raises(ValueError, match="global_every="):
+        od.decentralized_sgd(optax.sgd(0.1), comm=comm, topology=topo.ring(4), global_every=0)
+    tx = od.decentralized_sgd(optax.sgd(0.1), comm=comm, topology=topo.ring(4))
+    with pytest.raises(ValueError, match="n=4 nodes but the group has 2"):
+        jax.vmap(lambda p: tx.update(p, tx.init(p), p), axis_name="replica")(jnp.zeros((2, 3)))
