@@ -41,6 +41,7 @@ from optaxdist.transforms.compressed import (
     compressed_allreduce,
     exact_warmup,
 )
+from optaxdist.transforms.daso import DasoEvents, DasoState, daso
 from optaxdist.transforms.gossip import (
     DecentralizedSgdState,
     SgpState,
@@ -91,6 +92,8 @@ __all__ = [
     "CompressedAllReduceState",
     "ExactWarmupState",
     "Communicator",
+    "DasoEvents",
+    "DasoState",
     "DecentralizedSgdState",
     "DynamicLossScaleState",
     "Hierarchy",
@@ -118,6 +121,7 @@ __all__ = [
     "compress",
     "consensus_distance",
     "compressed_allreduce",
+    "daso",
     "decentralized_sgd",
     "diloco",
     "diloco_outer_optimizer",

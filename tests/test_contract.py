@@ -96,6 +96,20 @@ TRANSFORMS = {
                                 "global_every": 2} | kw)),
         dict(ordering="pull"),
     ),
+    "daso": (
+        lambda **kw: od.daso(optax.sgd(0.1, momentum=0.9), local_comm=COMM, global_comm=COMM,
+                             **({"steps_per_epoch": 2, "total_epochs": 3, "warmup_epochs": 1,
+                                 "cooldown_epochs": 0} | kw)),
+        dict(steps_per_epoch=0),
+    ),
+    "daso_heat": (
+        lambda **kw: od.daso(optax.sgd(0.1), local_comm=COMM, global_comm=COMM,
+                             **({"steps_per_epoch": 1, "total_epochs": 3, "warmup_epochs": 0,
+                                 "cooldown_epochs": 0, "first_cycle": "heat",
+                                 "downcast_in_cycling": False, "downcast": None,
+                                 "heat_redundant_broadcast": True, "merge_weight": "heat"} | kw)),
+        dict(first_cycle=(0, 1, 1)),
+    ),
     "sign_sgd": (lambda **kw: od.sign_sgd(0.1, momentum=0.9, **kw), dict(weight_decay=-1.0)),
     "averaged_iterate": (lambda **kw: od.averaged_iterate(**({"shift": 3.0} | kw)), dict(shift=0.0)),
     "singa_sgd": (

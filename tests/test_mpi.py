@@ -18,6 +18,7 @@ HARNESS_TEST_FILES = [
     "tests/test_local_sgd.py",
     "tests/test_partial.py",
     "tests/test_gossip.py",
+    "tests/test_daso.py",
 ]
 
 
