@@ -214,3 +214,12 @@ def test_bad_hyperparameters_fail_at_construction(name):
     with pytest.raises((ValueError, TypeError)) as info:
         factory(**bad)
     assert any(key in str(info.value) for key in bad)
+
+
+def test_state_does_not_alias_the_params(factory):
+    """Users donate params and state to one jitted step: no state leaf may be a params leaf."""
+    tx = factory()
+    p = make_params()
+    state = tx.init(p)
+    ids = {id(x) for x in jax.tree.leaves(p)}
+    assert not [x for x in jax.tree.leaves(state) if id(x) in ids]

@@ -43,7 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=32, help="minibatch per replica")
     b.add_argument("--steps", type=int, default=500)
     b.add_argument("--lr", type=float, default=0.05)
-    b.add_argument("--momentum", type=float, default=0.9, help="of the local optax.sgd")
+    b.add_argument("--momentum", type=float, default=0.9,
+                   help="of the local optax.sgd (β₁ for adamw)")
+    b.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="the local optimizer every algorithm wraps")
     b.add_argument("--hidden", default="128,128", help="MLP hidden widths")
     b.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
                    help=f"comma list of: {', '.join(ALGORITHMS)}; or groups: "
@@ -162,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = BenchConfig(
             dataset=args.dataset, replicas=args.replicas, shards=args.shards,
             batch_size=args.batch_size, steps=args.steps, lr=args.lr, momentum=args.momentum,
+            optimizer=args.optimizer,
             hidden=parse_hidden(args.hidden), algorithms=expand_names(args.algorithms),
             network=args.network, nodes=args.nodes, log_every=args.log_every, seed=args.seed,
             out=args.out or None, plots=not args.no_plots, progress=not args.quiet,

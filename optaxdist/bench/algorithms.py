@@ -3,7 +3,7 @@
 A new algorithm adds one entry to ``ALGORITHMS``::
 
     ALGORITHMS["topk-1%"] = Algorithm(
-        "topk-1%", lambda comm, local: optax.chain(optaxdist.topk(comm=comm, ...), local),
+        "topk-1%", lambda comm, local, ctx: optax.chain(optaxdist.topk(comm=comm, ...), local),
         "top-k sparsified all-reduce",
     )
 
@@ -22,7 +22,19 @@ import optax
 import optaxdist
 from optaxdist.comm.base import Communicator
 
-Factory = Callable[[Communicator, optax.GradientTransformation], optax.GradientTransformation]
+
+class BenchContext(NamedTuple):
+    """What a factory may need beyond the communicator and the local optimizer."""
+
+    replicas: int
+    hierarchy: optaxdist.Hierarchy  # node-local and cross-node groups (``('node', 'local')`` axes)
+    steps: int
+    lr: float
+
+
+Factory = Callable[
+    [Communicator, optax.GradientTransformation, BenchContext], optax.GradientTransformation
+]
 
 
 class Algorithm(NamedTuple):
@@ -30,7 +42,7 @@ class Algorithm(NamedTuple):
 
     Attributes:
       name: the name used on the command line (``--algorithms``).
-      make: ``make(comm, local_optimizer) -> GradientTransformation`` for one replica.
+      make: ``make(comm, local_optimizer, ctx) -> GradientTransformation`` for one replica.
       description: one line for the docs and ``--list``.
       single: if True the algorithm runs on ONE replica that draws the global batch
         (``replicas × batch_size`` examples) from the whole training set, and sends nothing.
@@ -43,11 +55,11 @@ class Algorithm(NamedTuple):
 
 
 def _allreduce(dtype) -> Factory:
-    return lambda comm, local: optax.chain(optaxdist.allreduce(comm=comm, dtype=dtype), local)
+    return lambda comm, local, ctx: optax.chain(optaxdist.allreduce(comm=comm, dtype=dtype), local)
 
 
 def _compressed(compressor, error_feedback: bool = True, scope: str = "model") -> Factory:
-    return lambda comm, local: optax.chain(
+    return lambda comm, local, ctx: optax.chain(
         optaxdist.compressed_allreduce(
             compressor, comm=comm, error_feedback=error_feedback, scope=scope
         ),
@@ -56,7 +68,7 @@ def _compressed(compressor, error_feedback: bool = True, scope: str = "model") -
 
 
 def _powersgd(rank: int, error_feedback: bool = True) -> Factory:
-    return lambda comm, local: optax.chain(
+    return lambda comm, local, ctx: optax.chain(
         optaxdist.powersgd(
             comm=comm, rank=rank, start_iter=0, error_feedback=error_feedback, warm_start=True
         ),
@@ -85,7 +97,7 @@ COMPRESSION_ALGORITHMS: list[Algorithm] = [
     *_with_and_without_ef("scaled-sign", C.sign(scaled=True), "EF-signSGD scaled sign, 1 bit"),
     Algorithm(
         "sign-vote",
-        lambda comm, local: optax.chain(
+        lambda comm, local, ctx: optax.chain(
             optaxdist.compressed_allreduce(C.sign(), comm=comm, error_feedback=False),
             optax.sgd(1e-3),
         ),
@@ -104,12 +116,137 @@ COMPRESSION_ALGORITHMS: list[Algorithm] = [
     ),
 ]
 
+T = optaxdist.topology
+
+PERIODIC_ALGORITHMS: list[Algorithm] = [
+    *(
+        Algorithm(
+            f"local-sgd-{h}",
+            lambda comm, local, ctx, h=h: optaxdist.local_sgd(local, comm=comm, period=h),
+            f"local steps, parameter averaging every {h} steps",
+        )
+        for h in (8, 50)
+    ),
+    Algorithm(
+        "post-local-sgd-50",
+        lambda comm, local, ctx: optaxdist.local_sgd(
+            local, comm=comm, period=50, warmup_steps=ctx.steps // 10
+        ),
+        "exact all-reduce for the first 10% of the steps, then local SGD with H = 50",
+    ),
+    Algorithm(
+        "slowmo-50",
+        lambda comm, local, ctx: optaxdist.slowmo(
+            local, comm=comm, period=50, learning_rate=ctx.lr, momentum=0.5
+        ),
+        "SlowMo, τ = 50, β = 0.5, α = 1",
+    ),
+    Algorithm(
+        "slowmo-50-sharded",
+        lambda comm, local, ctx: optaxdist.slowmo(
+            local, comm=comm, period=50, learning_rate=ctx.lr, momentum=0.5,
+            memory_efficient=True, num_shards=ctx.replicas,
+        ),
+        "SlowMo, τ = 50, x0 and u sharded (reduce-scatter + all-gather)",
+    ),
+    *(
+        Algorithm(
+            f"diloco-{h}",
+            lambda comm, local, ctx, h=h: optaxdist.diloco(local, comm=comm, period=h),
+            f"DiLoCo, H = {h}, outer Nesterov SGD 0.7 / 0.9",
+        )
+        for h in (50, 100)
+    ),
+    Algorithm(
+        "diloco-50-topk10%",
+        lambda comm, local, ctx: optaxdist.diloco(
+            local, comm=comm, period=50,
+            reducer=optaxdist.compressed_allreduce(C.top_k(fraction=0.1), comm=comm, scope="model"),
+        ),
+        "DiLoCo, H = 50, pseudo-gradients top-10% with error feedback",
+    ),
+    Algorithm(
+        "streaming-diloco-50",
+        lambda comm, local, ctx: optaxdist.streaming_diloco(
+            local, comm=comm, period=50, num_fragments=2
+        ),
+        "Streaming DiLoCo, H = 50, 2 staggered fragments",
+    ),
+    Algorithm(
+        "partial-avg",
+        lambda comm, local, ctx: optaxdist.partial_average(
+            local, comm=comm, partitions=lambda p: optaxdist.balanced_fragments(p, 3)
+        ),
+        "SINGA partial averaging: one of 3 partitions per step",
+    ),
+]
+
+GOSSIP_ALGORITHMS: list[Algorithm] = [
+    Algorithm(
+        "dpsgd-ring",
+        lambda comm, local, ctx: optaxdist.decentralized_sgd(
+            local, comm=comm, topology=T.ring(ctx.replicas)
+        ),
+        "D-PSGD on the undirected ring (2 peers per step)",
+    ),
+    Algorithm(
+        "dpsgd-exp",
+        lambda comm, local, ctx: optaxdist.decentralized_sgd(
+            local, comm=comm, topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas)
+        ),
+        "D-PSGD on fairscale's one-peer dynamic exponential graph",
+    ),
+    Algorithm(
+        "sgp-exp",
+        lambda comm, local, ctx: optaxdist.sgp(
+            local, comm=comm, topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas)
+        ),
+        "SGP (push-sum) on the one-peer dynamic exponential graph (fairscale's default)",
+    ),
+    Algorithm(
+        "sgp-exp-global-48",
+        lambda comm, local, ctx: optaxdist.sgp(
+            local, comm=comm, topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas),
+            global_every=48,
+        ),
+        "SGP with an exact global average every 48 steps",
+    ),
+    Algorithm(
+        "slowmo-48-sgp",
+        lambda comm, local, ctx: optaxdist.slowmo(
+            optaxdist.sgp(local, comm=comm, check_start=False,
+                          topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas)),
+            comm=comm, period=48, learning_rate=ctx.lr, momentum=0.5,
+        ),
+        "SlowMo (τ = 48, β = 0.5) over SGP",
+    ),
+]
+
+HIERARCHICAL_ALGORITHMS: list[Algorithm] = [
+    Algorithm(
+        "daso",
+        lambda comm, local, ctx: optaxdist.daso(
+            local, local_comm=ctx.hierarchy.local, global_comm=ctx.hierarchy.cross,
+            steps_per_epoch=max(ctx.steps // 10, 1), total_epochs=10, warmup_epochs=1,
+            cooldown_epochs=1,
+        ),
+        "DASO: 10 epochs of steps/10, warm-up 1, cool-down 1, max_global_skips 8, bf16",
+    ),
+    Algorithm(
+        "hier-local-sgd-4-50",
+        lambda comm, local, ctx: optaxdist.local_sgd(
+            local, comm=comm, period=50, local_comm=ctx.hierarchy.local, local_period=5
+        ),
+        "local SGD: node average every 5 steps, global every 50",
+    ),
+]
+
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in [
         Algorithm(
             "single",
-            lambda comm, local: local,
+            lambda comm, local, ctx: local,
             "one replica, global batch (replicas × batch) from the whole train set; no comm",
             single=True,
         ),
@@ -124,10 +261,13 @@ ALGORITHMS: dict[str, Algorithm] = {
         ),
         Algorithm(
             "param-avg",
-            lambda comm, local: optax.chain(local, optaxdist.average_params(comm=comm)),
+            lambda comm, local, ctx: optax.chain(local, optaxdist.average_params(comm=comm)),
             "local SGD step, then parameter averaging every step (momentum stays local)",
         ),
         *COMPRESSION_ALGORITHMS,
+        *PERIODIC_ALGORITHMS,
+        *GOSSIP_ALGORITHMS,
+        *HIERARCHICAL_ALGORITHMS,
     ]
 }
 
@@ -140,6 +280,9 @@ DEFAULT_ALGORITHMS: tuple[str, ...] = (
 ALGORITHM_GROUPS: dict[str, tuple[str, ...]] = {
     "default": DEFAULT_ALGORITHMS,
     "compression": ("allreduce-fp32", *(a.name for a in COMPRESSION_ALGORITHMS)),
+    "periodic": ("allreduce-fp32", *(a.name for a in PERIODIC_ALGORITHMS)),
+    "gossip": ("allreduce-fp32", *(a.name for a in GOSSIP_ALGORITHMS)),
+    "hierarchical": ("allreduce-fp32", *(a.name for a in HIERARCHICAL_ALGORITHMS)),
     "all": tuple(ALGORITHMS),
 }
 
@@ -157,8 +300,18 @@ def expand_names(names: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def local_optimizer(lr: float, momentum: float = 0.9) -> optax.GradientTransformation:
-    """The local optimizer every algorithm wraps: ``optax.sgd`` (no momentum when it is 0)."""
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def local_optimizer(
+    lr: float, momentum: float = 0.9, optimizer: str = "sgd"
+) -> optax.GradientTransformation:
+    """The local optimizer every algorithm wraps: ``optax.sgd`` (no momentum when it is 0), or
+    ``optax.adamw`` (β₂ 0.99, weight decay 0.01; ``momentum`` is β₁)."""
+    if optimizer == "adamw":
+        return optax.adamw(lr, b1=momentum, b2=0.99, weight_decay=0.01)
+    if optimizer != "sgd":
+        raise ValueError(f"optimizer={optimizer!r}; allowed: {OPTIMIZERS}")
     return optax.sgd(lr, momentum=momentum or None)
 
 

@@ -45,6 +45,10 @@ NETWORKS: dict[str, Network] = {
 KIND_COLLECTIVE: dict[str, str] = {
     "all_reduce": "all_reduce",
     "param_average": "all_reduce",
+    "local_param_average": "all_reduce",
+    "inner_state_average": "all_reduce",
+    "anchor_average": "all_reduce",
+    "loss_all_reduce": "all_reduce",
     "powersgd_p": "all_reduce",
     "powersgd_q": "all_reduce",
     "powersgd_warmup": "all_reduce",
@@ -102,9 +106,25 @@ def link_for(network: str | Network, nodes: int) -> Network:
     return NETWORKS["nvlink"] if nodes == 1 else get_network(network)
 
 
+#: Ledger kinds of hierarchical transforms name their group: ``"local:..."`` runs among the replicas
+#: of one node, ``"global:..."`` among the nodes (one replica per node). Unscoped kinds run over all
+#: replicas, except ``local_param_average`` (local SGD's node level).
+LOCAL_SCOPE_PREFIXES = ("local_param_average",)
+
+
+def scope_of(kind: str) -> tuple[str, str]:
+    """``("local" | "global" | "world", kind without its scope)`` of a ledger kind."""
+    scope, sep, rest = kind.partition(":")
+    if sep and scope in ("local", "global") and "[" not in scope:
+        return scope, rest
+    if kind.split("[", 1)[0] in LOCAL_SCOPE_PREFIXES:
+        return "local", kind
+    return "world", kind
+
+
 def collective_of(kind: str) -> str:
     """The collective behind a ledger kind such as ``"all_reduce[float32]"`` (its prefix)."""
-    prefix = kind.split("[", 1)[0]
+    prefix = scope_of(kind)[1].split("[", 1)[0]
     try:
         return KIND_COLLECTIVE[prefix]
     except KeyError:
@@ -138,17 +158,51 @@ def collective_time(kind: str, payload_bytes: float, n: int, network: str | Netw
     return model(float(payload_bytes), n, get_network(network))
 
 
+def group_and_link(kind: str, n: int, nodes: int, network: str | Network) -> tuple[int, Network]:
+    """Members and link of the group a ledger kind runs in, for ``n`` replicas on ``nodes`` nodes:
+    node-local kinds use ``nvlink`` among ``n / nodes``; cross-node kinds the network among
+    ``nodes``; the rest a flat ring over all ``n`` bound by ``link_for(network, nodes)``."""
+    scope = scope_of(kind)[0]
+    if scope == "local":
+        return n // nodes, NETWORKS["nvlink"]
+    if scope == "global":
+        return nodes, link_for(network, nodes)
+    return n, link_for(network, nodes)
+
+
 def comm_time_per_step(
-    by_kind: Mapping[str, tuple[int, int]], steps: int, n: int, network: str | Network
+    by_kind: Mapping[str, tuple[int, int]],
+    steps: int,
+    n: int,
+    network: str | Network,
+    *,
+    nodes: int | None = None,
 ) -> float:
     """Modelled communication seconds per step from ledger totals ``{kind: (collectives, bytes)}``.
 
-    Sum over kinds of (events per step) × ``collective_time(kind, bytes per event, n, network)``.
+    Sum over kinds of (events per step) × ``collective_time(kind, bytes per event, members, link)``.
+    Without ``nodes`` every kind runs over all ``n`` replicas on ``network``; with ``nodes`` the
+    group and link come from ``group_and_link``.
     """
     if steps < 1:
         raise ValueError(f"steps={steps!r} must be positive")
     total = 0.0
     for kind, (events, nbytes) in by_kind.items():
-        if events:
-            total += events / steps * collective_time(kind, nbytes / events, n, network)
+        if not events:
+            continue
+        members, link = (n, network) if nodes is None else group_and_link(kind, n, nodes, network)
+        total += events / steps * collective_time(kind, nbytes / events, members, link)
     return total
+
+
+def split_bytes(by_kind: Mapping[str, tuple[int, int]], nodes: int) -> tuple[int, int]:
+    """``(intra-node, inter-node)`` payload bytes: node-local kinds are intra-node; cross-node kinds
+    inter-node; flat kinds cross nodes whenever there is more than one node."""
+    intra = inter = 0
+    for kind, (_, nbytes) in by_kind.items():
+        scope = scope_of(kind)[0]
+        if scope == "local" or (scope == "world" and nodes == 1):
+            intra += nbytes
+        else:
+            inter += nbytes
+    return intra, inter

@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-DATASETS = ("digits", "mnist")
+DATASETS = ("digits", "mnist", "charlm")
 SHARDINGS = ("iid", "skewed")
 
 
@@ -52,6 +52,10 @@ def load_dataset(
     Returns:
       A ``Dataset``.
     """
+    if name == "charlm":  # text windows, split in text order (see optaxdist.bench.charlm)
+        from optaxdist.bench.charlm import load_charlm
+
+        return load_charlm()
     if name == "digits":
         x, y = _load_digits()
     elif name == "mnist":
@@ -81,7 +85,9 @@ def make_shards(
     if not isinstance(n, int) or not 1 <= n <= len(y):
         raise ValueError(f"n={n!r} must be an int in [1, {len(y)}]")
     order = np.random.default_rng(seed).permutation(len(y))
-    if mode == "skewed":
+    if mode == "skewed" and y.ndim > 1:  # sequences: contiguous stretches of the text
+        order = np.arange(len(y))
+    elif mode == "skewed":
         order = order[np.argsort(y[order], kind="stable")]
     per = len(y) // n
     return order[: per * n].reshape(n, per)

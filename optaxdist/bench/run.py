@@ -28,12 +28,15 @@ import optaxdist
 from optaxdist.bench import cost
 from optaxdist.bench.algorithms import (
     DEFAULT_ALGORITHMS,
+    OPTIMIZERS,
     Algorithm,
+    BenchContext,
     get_algorithms,
     local_optimizer,
 )
+from optaxdist.bench.charlm import CharTransformer
 from optaxdist.bench.data import Dataset, load_dataset, make_shards
-from optaxdist.bench.models import MLP, accuracy, cross_entropy, init_params
+from optaxdist.bench.models import MLP, accuracy, cross_entropy
 
 FP32_REFERENCE = "allreduce-fp32"
 
@@ -49,6 +52,7 @@ class BenchConfig:
     steps: int = 500
     lr: float = 0.05
     momentum: float = 0.9
+    optimizer: str = "sgd"
     hidden: tuple[int, ...] = (128, 128)
     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
     network: str = "10GbE"
@@ -67,6 +71,10 @@ class BenchConfig:
         nodes = self.num_nodes
         if not 1 <= nodes <= self.replicas:
             raise ValueError(f"nodes={nodes} must be between 1 and replicas={self.replicas}")
+        if self.replicas % nodes:
+            raise ValueError(f"nodes={nodes} must divide replicas={self.replicas}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}; allowed: {OPTIMIZERS}")
         cost.get_network(self.network)
         get_algorithms(list(self.algorithms))
 
@@ -97,17 +105,23 @@ def run_algorithm(
     else:
         shard_idx = make_shards(data.y_train, n, cfg.shards, seed=cfg.seed)  # type: ignore[arg-type]
     xs, ys = jnp.asarray(data.x_train[shard_idx]), jnp.asarray(data.y_train[shard_idx])
-    model = MLP(cfg.hidden, data.num_classes)
-    comm = optaxdist.AxisComm(optaxdist.REPLICA_AXIS)
-    tx = algo.make(comm, local_optimizer(cfg.lr, cfg.momentum))
+    model = make_model(cfg, data)
+    # Replicas are laid out as (node, local): flat algorithms use the whole group, hierarchical
+    # ones (DASO, node-level local SGD) its two levels.
+    nodes = 1 if algo.single else cfg.num_nodes
+    hierarchy = optaxdist.axis_hierarchy(nodes, n // nodes)
+    ctx = BenchContext(replicas=n, hierarchy=hierarchy, steps=cfg.steps, lr=cfg.lr)
+    tx = algo.make(hierarchy.world, local_optimizer(cfg.lr, cfg.momentum, cfg.optimizer), ctx)
 
     def replica_step(params, opt_state, x, y, key):
         idx = jax.random.randint(key, (batch,), 0, x.shape[0])
         loss, grads = jax.value_and_grad(lambda p: cross_entropy(model, p, x[idx], y[idx]))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params, value=loss)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    simulated = optaxdist.simulate(replica_step, jit=False)
+    simulated = optaxdist.simulate(
+        replica_step, axis_name=hierarchy.world.axis_name, shape=(nodes, n // nodes), jit=False
+    )
 
     def chunk(params, opt_state, x, y, key, start, count):
         def body(i, carry):
@@ -167,10 +181,9 @@ def run_algorithm(
     }
     fp32_bytes = optaxdist.payload_bytes(params0, jnp.float32) * cfg.steps
     compute_s = statistics.median(per_step_s) / n
-    link = cost.link_for(cfg.network, cfg.num_nodes)
-    comm_s = cost.comm_time_per_step(
-        {k: (t.collectives, t.bytes) for k, t in stats.by_kind.items()}, cfg.steps, n, link
-    )
+    totals = {k: (t.collectives, t.bytes) for k, t in stats.by_kind.items()}
+    comm_s = cost.comm_time_per_step(totals, cfg.steps, n, cfg.network, nodes=nodes)
+    intra_bytes, inter_bytes = cost.split_bytes(totals, nodes)
     return {
         "algorithm": algo.name,
         "description": algo.description,
@@ -180,6 +193,8 @@ def run_algorithm(
         "final_train_loss": curve["train_loss"][-1],
         "test_accuracy": curve["test_accuracy"][-1],
         "bytes_per_replica": stats.bytes,
+        "intra_node_bytes_per_replica": intra_bytes,
+        "inter_node_bytes_per_replica": inter_bytes,
         "collectives_per_replica": stats.collectives,
         "bytes_by_kind": by_kind,
         "reduction_vs_fp32": (fp32_bytes / stats.bytes) if stats.bytes else None,
@@ -190,6 +205,13 @@ def run_algorithm(
         "modelled_s_per_step": compute_s + comm_s,
         "curve": curve,
     }
+
+
+def make_model(cfg: BenchConfig, data: Dataset) -> Any:
+    """The MLP classifier, or the character transformer for ``charlm`` (token windows)."""
+    if data.x_train.ndim == 2 and jnp.issubdtype(data.x_train.dtype, jnp.integer):
+        return CharTransformer(data.num_classes, seq_len=data.x_train.shape[1])
+    return MLP(cfg.hidden, data.num_classes)
 
 
 def environment() -> dict[str, Any]:
@@ -215,12 +237,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     data = load_dataset(cfg.dataset, seed=cfg.seed)  # type: ignore[arg-type]
-    model = MLP(cfg.hidden, data.num_classes)
-    params0 = init_params(model, data.x_train.shape[1], cfg.seed)
+    model = make_model(cfg, data)
+    params0 = model.init(jax.random.key(cfg.seed), jnp.asarray(data.x_train[:1]))["params"]
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
     link = cost.link_for(cfg.network, cfg.num_nodes)
     _log(f"optaxdist bench: {cfg.dataset} ({len(data.y_train)} train / {len(data.y_test)} test), "
-         f"MLP {list(cfg.hidden)} ({n_params} params), {cfg.replicas} replicas, {cfg.shards} "
+         f"{type(model).__name__} ({n_params} params), {cfg.replicas} replicas, {cfg.shards} "
          f"shards, batch {cfg.batch_size}/replica, {cfg.steps} steps", cfg.progress)
     results = []
     for algo in get_algorithms(list(cfg.algorithms)):
@@ -231,7 +253,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "environment": environment(),
         "dataset": {"name": data.name, "train": len(data.y_train), "test": len(data.y_test),
                     "features": int(data.x_train.shape[1]), "classes": data.num_classes},
-        "model": {"kind": "MLP", "hidden": list(cfg.hidden), "parameters": n_params,
+        "model": {"kind": type(model).__name__, "hidden": list(cfg.hidden), "parameters": n_params,
                   "param_bytes_fp32": optaxdist.payload_bytes(params0, jnp.float32)},
         "cost_model": {"network": link.name, "bandwidth_Bps": link.bandwidth,
                        "latency_s": link.latency, "nodes": cfg.num_nodes,
@@ -268,7 +290,8 @@ def format_table(record: dict[str, Any]) -> str:
     """A Markdown table of ``record["results"]`` (also readable in a terminal)."""
     cm = record["cost_model"]
     net = f"{cm['network']}, {cm['nodes']} node{'s' if cm['nodes'] > 1 else ''}"
-    header = ["algorithm", "train loss", "test acc", "steps", "MB sent/replica", "vs fp32 AR",
+    header = ["algorithm", "train loss", "test acc", "steps", "MB sent/replica",
+              "inter-node MB", "vs fp32 AR",
               "compute ms/step (1 replica, est.)", f"comm ms/step (model, {net})",
               "modelled ms/step"]
     rows = []
@@ -277,6 +300,7 @@ def format_table(record: dict[str, Any]) -> str:
         rows.append([
             r["algorithm"], f"{r['final_train_loss']:.4f}", f"{r['test_accuracy']:.4f}",
             str(r["steps"]), _fmt_bytes(r["bytes_per_replica"]),
+            _fmt_bytes(r.get("inter_node_bytes_per_replica", r["bytes_per_replica"])),
             "—" if red is None else f"{red:.2f}×",
             f"{r['compute_s_per_step'] * 1e3:.3f}", f"{r['comm_s_per_step_model'] * 1e3:.3f}",
             f"{r['modelled_s_per_step'] * 1e3:.3f}",

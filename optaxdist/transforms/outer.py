@@ -121,7 +121,8 @@ def outer_sync(
                 reducer_state=(),
                 outer_ledger=ledger,
             )
-        anchor = jax.tree.map(lambda p: jnp.asarray(p), params)
+        # a copy, not an alias: callers may donate params and state to the same jitted step
+        anchor = jax.tree.map(lambda p: jnp.array(p, copy=True), params)
         return OuterSyncState(
             outer_step=jnp.zeros((), jnp.int32),
             inner_state=inner_state,

@@ -260,7 +260,7 @@ def streaming_diloco(
     def init_fn(params):
         parts = parts_of(params)
         leaves = jax.tree.leaves(params)
-        anchor = [jnp.asarray(x) for x in leaves]
+        anchor = [jnp.array(x, copy=True) for x in leaves]  # not an alias of params (donation)
         return StreamingDilocoState(
             stream_step=jnp.zeros((), jnp.int32),
             inner_state=per_replica(inner.init(params), comm),
