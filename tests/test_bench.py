@@ -173,7 +173,8 @@ def test_compression_cost_suite_without_torch(monkeypatch, capsys):
     assert "torch is not installed" in captured.err
     assert "powersgd-r2" in captured.out
     by_name = {r["name"]: r for r in rec["results"]}
-    assert set(by_name) == {"allreduce-fp32", "topk-1%-ef", "powersgd-r2", "powersgd-r2-unbatched"}
+    assert set(by_name) == {"allreduce-fp32", "topk-1%-ef", "powersgd-r2", "powersgd-r2-unbatched",
+                            "powersgd-r2 (state not donated)"}
     assert rec["model"]["parameters"] == 5 * 20 * 20 + 5 * 20
     # five 20×20 matrices at rank 2 (P and Q: 20·2 each) and five exact 20-vectors.
     assert by_name["powersgd-r2"]["bytes_per_step"] == 4 * (5 * (40 + 40) + 5 * 20)

@@ -288,3 +288,12 @@ def test_bad_arguments():
         od.compressed_allreduce(compress.sign(), comm=comm, residual_dtype=jnp.int32)
     with pytest.raises(ValueError, match="steps="):
         od.exact_warmup(optax.identity(), comm=comm, steps=-1)
+
+
+def test_random_k_picks_uniform_distinct_subsets():
+    c = compress.random_k(count=5)
+    keys = jax.random.split(jax.random.key(3), 2000)
+    idx = np.asarray(jax.vmap(lambda k: c._indices(20, k))(keys))
+    assert all(len(set(row)) == 5 for row in idx)  # distinct
+    counts = np.bincount(idx.ravel(), minlength=20)
+    np.testing.assert_allclose(counts / 2000, 5 / 20, atol=0.04)  # each coordinate w.p. k/d

@@ -73,8 +73,10 @@ class RandomK(_SharedIndices):
         return "random_k"
 
     def _indices(self, size, key):
+        # The k largest of d uniform draws are a uniform k-subset; jax.random.choice(replace=False)
+        # shuffles all d entries and is ~30x slower at d = 4M.
         k = resolve_k(size, self.fraction, self.count)
-        return jax.random.choice(key, size, (k,), replace=False).astype(jnp.int32)
+        return jax.lax.top_k(jax.random.uniform(key, (size,)), k)[1].astype(jnp.int32)
 
 
 class BlockK(_SharedIndices):
