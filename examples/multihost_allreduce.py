@@ -41,9 +41,20 @@ def spawn(args) -> int:
     coordinator = args.coordinator or f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--process-id", str(i),
-             "--num-processes", str(args.num_processes), "--coordinator", coordinator,
-             "--local-devices", str(args.local_devices), "--steps", str(args.steps)]
+            [
+                sys.executable,
+                __file__,
+                "--process-id",
+                str(i),
+                "--num-processes",
+                str(args.num_processes),
+                "--coordinator",
+                coordinator,
+                "--local-devices",
+                str(args.local_devices),
+                "--steps",
+                str(args.steps),
+            ]
         )
         for i in range(args.num_processes)
     ]
@@ -57,9 +68,7 @@ def spawn(args) -> int:
 
 
 def train(args) -> None:
-    os.environ.setdefault(
-        "XLA_FLAGS", f"--xla_force_host_platform_device_count={args.local_devices}"
-    )
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.local_devices}")
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -118,7 +118,8 @@ def comm_stats(state: PyTree, *, replica: int | None = None) -> CommStats:
     """
     totals: dict[str, list[int]] = {}
     ledgers = [
-        x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CommLedger))
+        x
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, CommLedger))
         if isinstance(x, CommLedger)
     ]
     for ledger in ledgers:
@@ -166,6 +167,4 @@ def keep_ledgers(selected: PyTree, latest: PyTree) -> PyTree:
     """``selected`` with every ledger taken from ``latest``: events that happened stay counted even
     when the rest of a state is rolled back (a skipped step still sent its collectives)."""
     is_ledger = lambda x: isinstance(x, CommLedger)
-    return jax.tree.map(
-        lambda s, n: n if is_ledger(s) else s, selected, latest, is_leaf=is_ledger
-    )
+    return jax.tree.map(lambda s, n: n if is_ledger(s) else s, selected, latest, is_leaf=is_ledger)

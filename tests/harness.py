@@ -32,7 +32,9 @@ class MeshHarness:
         self.n = n
         self.comm = od.AxisComm(od.REPLICA_AXIS)
         self.mesh = jax.make_mesh(
-            (n,), (od.REPLICA_AXIS,), devices=jax.devices()[:n],
+            (n,),
+            (od.REPLICA_AXIS,),
+            devices=jax.devices()[:n],
             axis_types=(jax.sharding.AxisType.Auto,),
         )
 

@@ -22,9 +22,7 @@ class MultiHostHarness:
     def __init__(self):
         self.n = jax.device_count()
         self.comm = od.AxisComm(od.REPLICA_AXIS)
-        self.mesh = jax.make_mesh(
-            (self.n,), (od.REPLICA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,)
-        )
+        self.mesh = jax.make_mesh((self.n,), (od.REPLICA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
         mine = [i for i, d in enumerate(self.mesh.devices.flat) if d.process_index == jax.process_index()]
         self.rows = np.asarray(mine)
 
@@ -34,8 +32,12 @@ class MultiHostHarness:
         out = od.on_mesh(step, self.mesh)(*args)
         self.last_global_output = out
         return jax.tree.map(
-            lambda x: np.concatenate([np.asarray(s.data) for s in sorted(
-                x.addressable_shards, key=lambda s: s.index[0].start or 0)]),
+            lambda x: np.concatenate(
+                [
+                    np.asarray(s.data)
+                    for s in sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+                ]
+            ),
             out,
         )
 
@@ -52,8 +54,12 @@ def main() -> None:
         harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(0.1, momentum=0.9))
     )
     np.savez(
-        out_path, rows=harness.rows, w=params["w"], b=params["b"],
-        bytes=od.comm_stats(state).bytes, n=harness.n,
+        out_path,
+        rows=harness.rows,
+        w=params["w"],
+        b=params["b"],
+        bytes=od.comm_stats(state).bytes,
+        n=harness.n,
         # comm_stats straight from the global (multi-process) state, not only from numpy rows
         global_bytes=od.comm_stats(harness.last_global_output[1]).bytes,
     )

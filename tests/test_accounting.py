@@ -110,7 +110,10 @@ def test_undeclared_kind_is_an_error():
 
 
 def test_payload_bytes():
-    tree = {"a": jnp.zeros((3, 4)), "b": jnp.zeros(5, jnp.int32),
-            "c": jax.ShapeDtypeStruct((2, 2), jnp.bfloat16)}
+    tree = {
+        "a": jnp.zeros((3, 4)),
+        "b": jnp.zeros(5, jnp.int32),
+        "c": jax.ShapeDtypeStruct((2, 2), jnp.bfloat16),
+    }
     assert od.payload_bytes(tree) == 48 + 20 + 8
     assert od.payload_bytes(tree, jnp.float16) == 24 + 20 + 8

@@ -49,18 +49,14 @@ def n_param_elements():
 
 
 def test_allreduce_sgd_matches_numpy_and_accounting(harness):
-    params, state = run_trajectory(
-        harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(LR))
-    )
+    params, state = run_trajectory(harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(LR)))
     want = np_allreduce_sgd(harness.n)
     for k in want:
         np.testing.assert_allclose(params[k], np.broadcast_to(want[k], params[k].shape), atol=1e-5)
     od.assert_replicas_identical(params)
     # docstring formula: one all-reduce per step of sum(numel) elements of the gradient dtype
     stats = od.comm_stats(state)
-    assert stats.by_kind == {
-        "all_reduce[float32]": od.KindTotals(STEPS, STEPS * n_param_elements() * 4)
-    }
+    assert stats.by_kind == {"all_reduce[float32]": od.KindTotals(STEPS, STEPS * n_param_elements() * 4)}
 
 
 def test_same_trajectory_on_every_harness(harness):
@@ -86,9 +82,7 @@ def test_sum_and_custom_denominator(harness, divide_before):
     denom = 2.5 * n
     params, _ = run_trajectory(
         harness,
-        lambda c: optax.chain(
-            od.allreduce(comm=c, op="custom", divide_before=divide_before), optax.sgd(LR)
-        ),
+        lambda c: optax.chain(od.allreduce(comm=c, op="custom", divide_before=divide_before), optax.sgd(LR)),
         steps=3,
         denominator=denom,
     )
@@ -136,9 +130,7 @@ def test_average_params_equals_numpy(harness):
     for k in p:
         np.testing.assert_allclose(params[k], np.broadcast_to(p[k], params[k].shape), atol=1e-5)
     stats = od.comm_stats(state)
-    assert stats.by_kind == {
-        "param_average[float32]": od.KindTotals(steps, steps * n_param_elements() * 4)
-    }
+    assert stats.by_kind == {"param_average[float32]": od.KindTotals(steps, steps * n_param_elements() * 4)}
 
 
 def test_average_params_with_plain_sgd_equals_allreduce(harness):
@@ -186,8 +178,7 @@ def test_heat_dataparallel_blocking_equals_nonblocking_numbers(harness):
     exactly that averaged gradient before the next forward, so both equal allreduce(divide_before)."""
     a, _ = run_trajectory(
         harness,
-        lambda c: optax.chain(od.allreduce(comm=c, divide_before=True, dtype="float32"),
-                              optax.sgd(LR)),
+        lambda c: optax.chain(od.allreduce(comm=c, divide_before=True, dtype="float32"), optax.sgd(LR)),
     )
     want = np_allreduce_sgd(harness.n)
     np.testing.assert_allclose(a["w"][0], want["w"], atol=1e-5)

@@ -18,11 +18,26 @@ STEPS, REPLICAS = 20, 2
 @pytest.fixture(scope="module")
 def record(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    rc = main([
-        "bench", "--algorithms", "allreduce-fp32,allreduce-bf16", "--steps", str(STEPS),
-        "--replicas", str(REPLICAS), "--log-every", "10", "--hidden", "16",
-        "--out", str(out), "--quiet", "--network", "100Gb",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--algorithms",
+            "allreduce-fp32,allreduce-bf16",
+            "--steps",
+            str(STEPS),
+            "--replicas",
+            str(REPLICAS),
+            "--log-every",
+            "10",
+            "--hidden",
+            "16",
+            "--out",
+            str(out),
+            "--quiet",
+            "--network",
+            "100Gb",
+        ]
+    )
     assert rc == 0
     with open(out / "bench_digits_iid.json") as f:
         rec = json.load(f)
@@ -34,9 +49,17 @@ def test_record_fields(record):
     assert {"config", "environment", "dataset", "model", "cost_model", "results"} <= set(record)
     assert [r["algorithm"] for r in record["results"]] == ["allreduce-fp32", "allreduce-bf16"]
     for r in record["results"]:
-        for field in ("final_train_loss", "test_accuracy", "steps", "bytes_per_replica",
-                      "reduction_vs_fp32", "compute_s_per_step", "comm_s_per_step_model",
-                      "modelled_s_per_step", "curve"):
+        for field in (
+            "final_train_loss",
+            "test_accuracy",
+            "steps",
+            "bytes_per_replica",
+            "reduction_vs_fp32",
+            "compute_s_per_step",
+            "comm_s_per_step_model",
+            "modelled_s_per_step",
+            "curve",
+        ):
             assert field in r
         assert r["steps"] == STEPS
         assert np.isfinite(r["final_train_loss"])
@@ -69,9 +92,7 @@ def test_modelled_time_is_compute_plus_ring_allreduce(record):
         n = REPLICAS
         expected = 2 * (n - 1) / n * per_event / net.bandwidth + 2 * (n - 1) * net.latency
         assert r["comm_s_per_step_model"] == pytest.approx(expected, rel=1e-12)
-        assert r["modelled_s_per_step"] == pytest.approx(
-            r["compute_s_per_step"] + expected, rel=1e-12
-        )
+        assert r["modelled_s_per_step"] == pytest.approx(r["compute_s_per_step"] + expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("network", ["10GbE", "100Gb", "400Gb", "nvlink"])
@@ -139,11 +160,25 @@ def test_algorithm_groups_expand():
 
 def test_powersgd_rows_bytes_match_formula(tmp_path):
     steps = 10
-    rc = main([
-        "bench", "--algorithms", "powersgd-r2,powersgd-r2-noef", "--steps", str(steps),
-        "--replicas", str(REPLICAS), "--log-every", "10", "--hidden", "16",
-        "--out", str(tmp_path), "--no-plots", "--quiet",
-    ])
+    rc = main(
+        [
+            "bench",
+            "--algorithms",
+            "powersgd-r2,powersgd-r2-noef",
+            "--steps",
+            str(steps),
+            "--replicas",
+            str(REPLICAS),
+            "--log-every",
+            "10",
+            "--hidden",
+            "16",
+            "--out",
+            str(tmp_path),
+            "--no-plots",
+            "--quiet",
+        ]
+    )
     assert rc == 0
     with open(tmp_path / "bench_digits_iid.json") as f:
         rec = json.load(f)
@@ -166,15 +201,25 @@ def test_compression_cost_suite_without_torch(monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     rec = run_compression_cost(
-        2000, transforms=("allreduce-fp32", "topk-1%-ef"), ranks=(2,), warmup=1, repeats=2,
-        replicas=8, network="10GbE",
+        2000,
+        transforms=("allreduce-fp32", "topk-1%-ef"),
+        ranks=(2,),
+        warmup=1,
+        repeats=2,
+        replicas=8,
+        network="10GbE",
     )
     captured = capsys.readouterr()
     assert "torch is not installed" in captured.err
     assert "powersgd-r2" in captured.out
     by_name = {r["name"]: r for r in rec["results"]}
-    assert set(by_name) == {"allreduce-fp32", "topk-1%-ef", "powersgd-r2", "powersgd-r2-unbatched",
-                            "powersgd-r2 (state not donated)"}
+    assert set(by_name) == {
+        "allreduce-fp32",
+        "topk-1%-ef",
+        "powersgd-r2",
+        "powersgd-r2-unbatched",
+        "powersgd-r2 (state not donated)",
+    }
     assert rec["model"]["parameters"] == 5 * 20 * 20 + 5 * 20
     # five 20×20 matrices at rank 2 (P and Q: 20·2 each) and five exact 20-vectors.
     assert by_name["powersgd-r2"]["bytes_per_step"] == 4 * (5 * (40 + 40) + 5 * 20)

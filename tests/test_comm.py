@@ -79,8 +79,9 @@ def test_hierarchy_vmap_and_mesh():
 
         return f
 
-    sim = od.simulate(step(od.axis_hierarchy(nodes, local)), axis_name=("node", "local"),
-                      shape=(nodes, local))(x)
+    sim = od.simulate(
+        step(od.axis_hierarchy(nodes, local)), axis_name=("node", "local"), shape=(nodes, local)
+    )(x)
     h = od.mesh_hierarchy(nodes, local)
     mesh_out = od.on_mesh(step(h), h.mesh)(x)
     want_local = np.repeat(x.reshape(nodes, local).sum(1), local)

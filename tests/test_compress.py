@@ -103,7 +103,9 @@ def test_bf16_rounding_survives_compilation():
     np.testing.assert_allclose(np.asarray(state.error), 2.0**-10)
     compiled = (
         jax.jit(jax.vmap(lambda x: tx.update(x, tx.init(x))[1].error, axis_name="replica"))
-        .lower(g).compile().as_text()
+        .lower(g)
+        .compile()
+        .as_text()
     )
     assert "reduce-precision" in compiled
 
@@ -117,8 +119,11 @@ def allreduce_mean(g):
 
 @pytest.mark.parametrize(
     "c",
-    [compress.top_k(fraction=1.0), compress.threshold(0.0),
-     compress.threshold(0.0, mode="padded", max_fraction=1.0)],
+    [
+        compress.top_k(fraction=1.0),
+        compress.threshold(0.0),
+        compress.threshold(0.0, mode="padded", max_fraction=1.0),
+    ],
     ids=["top_k_all", "threshold_0_dense", "threshold_0_padded"],
 )
 @pytest.mark.parametrize("scope", ["leaf", "model"])
@@ -218,7 +223,8 @@ def test_exact_warmup_then_compress(harness):
     g = grads(n)
     tx = od.exact_warmup(
         od.compressed_allreduce(compress.top_k(count=1), comm=harness.comm),
-        comm=harness.comm, steps=2,
+        comm=harness.comm,
+        steps=2,
     )
 
     def three(x):
@@ -243,8 +249,9 @@ def test_exact_warmup_then_compress(harness):
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_ledger_equals_compiled_collectives(name):
     n = 4
-    mesh = jax.make_mesh((n,), ("replica",), devices=jax.devices()[:n],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (n,), ("replica",), devices=jax.devices()[:n], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     c = ALL[name]
     tx = od.compressed_allreduce(c, comm=od.AxisComm("replica"))
     g = grads(n, shape=(8, 16))

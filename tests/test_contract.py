@@ -30,7 +30,8 @@ TRANSFORMS = {
         dict(growth_interval=-3),
     ),
     "mlbench_loss_scale": (
-        lambda **kw: od.mlbench_loss_scale(optax.sgd(0.1), comm=COMM, **kw), dict(min_scale=-1.0)
+        lambda **kw: od.mlbench_loss_scale(optax.sgd(0.1), comm=COMM, **kw),
+        dict(min_scale=-1.0),
     ),
     "pytorch_loss_scale": (
         lambda **kw: od.pytorch_loss_scale(optax.sgd(0.1), comm=COMM, **kw),
@@ -42,18 +43,19 @@ TRANSFORMS = {
         dict(scope="block"),
     ),
     "compressed_sign_model": (
-        lambda **kw: od.compressed_allreduce(od.compress.sign(scaled=True), comm=COMM,
-                                             scope="model", **kw),
+        lambda **kw: od.compressed_allreduce(od.compress.sign(scaled=True), comm=COMM, scope="model", **kw),
         dict(residual_dtype=jnp.int8),
     ),
     "compressed_random_k_no_ef": (
-        lambda **kw: od.compressed_allreduce(od.compress.random_k(count=2), comm=COMM,
-                                             error_feedback=False, **kw),
+        lambda **kw: od.compressed_allreduce(
+            od.compress.random_k(count=2), comm=COMM, error_feedback=False, **kw
+        ),
         None,
     ),
     "exact_warmup": (
         lambda **kw: od.exact_warmup(
-            od.compressed_allreduce(od.compress.cast("float16"), comm=COMM), comm=COMM,
+            od.compressed_allreduce(od.compress.cast("float16"), comm=COMM),
+            comm=COMM,
             **({"steps": 1} | kw),
         ),
         dict(steps=-2),
@@ -63,51 +65,75 @@ TRANSFORMS = {
         dict(rank=0),
     ),
     "local_sgd": (
-        lambda **kw: od.local_sgd(optax.sgd(0.1, momentum=0.9), comm=COMM,
-                                  **({"period": 1, "warmup_steps": 1,
-                                      "average_inner_state": True} | kw)),
+        lambda **kw: od.local_sgd(
+            optax.sgd(0.1, momentum=0.9),
+            comm=COMM,
+            **({"period": 1, "warmup_steps": 1, "average_inner_state": True} | kw),
+        ),
         dict(period=0),
     ),
-    "diloco": (
-        lambda **kw: od.diloco(optax.sgd(0.1), comm=COMM, **({"period": 1} | kw)), dict(period=-1)
-    ),
+    "diloco": (lambda **kw: od.diloco(optax.sgd(0.1), comm=COMM, **({"period": 1} | kw)), dict(period=-1)),
     "slowmo_memory_efficient": (
-        lambda **kw: od.slowmo(optax.sgd(0.1), comm=COMM, learning_rate=0.1,
-                               **({"period": 1, "memory_efficient": True, "num_shards": N,
-                                   "anchor_after_first_step": True} | kw)),
+        lambda **kw: od.slowmo(
+            optax.sgd(0.1),
+            comm=COMM,
+            learning_rate=0.1,
+            **(
+                {"period": 1, "memory_efficient": True, "num_shards": N, "anchor_after_first_step": True} | kw
+            ),
+        ),
         dict(slow_lr=0.0),
     ),
-    "partial_average": (
-        lambda **kw: od.partial_average(optax.sgd(0.1), comm=COMM, **kw), None
-    ),
+    "partial_average": (lambda **kw: od.partial_average(optax.sgd(0.1), comm=COMM, **kw), None),
     "streaming_diloco": (
-        lambda **kw: od.streaming_diloco(optax.sgd(0.1), comm=COMM,
-                                         **({"period": 2, "num_fragments": 2} | kw)),
+        lambda **kw: od.streaming_diloco(
+            optax.sgd(0.1), comm=COMM, **({"period": 2, "num_fragments": 2} | kw)
+        ),
         dict(num_fragments=3),
     ),
     "decentralized_sgd": (
-        lambda **kw: od.decentralized_sgd(optax.sgd(0.1, momentum=0.9), comm=COMM,
-                                          **({"topology": od.topology.ring(N)} | kw)),
+        lambda **kw: od.decentralized_sgd(
+            optax.sgd(0.1, momentum=0.9), comm=COMM, **({"topology": od.topology.ring(N)} | kw)
+        ),
         dict(global_every=0),
     ),
     "sgp_overlap": (
-        lambda **kw: od.sgp(optax.sgd(0.1), comm=COMM,
-                            **({"topology": od.topology.ring(N, directed=True), "overlap": True,
-                                "global_every": 2} | kw)),
+        lambda **kw: od.sgp(
+            optax.sgd(0.1),
+            comm=COMM,
+            **({"topology": od.topology.ring(N, directed=True), "overlap": True, "global_every": 2} | kw),
+        ),
         dict(ordering="pull"),
     ),
     "daso": (
-        lambda **kw: od.daso(optax.sgd(0.1, momentum=0.9), local_comm=COMM, global_comm=COMM,
-                             **({"steps_per_epoch": 2, "total_epochs": 3, "warmup_epochs": 1,
-                                 "cooldown_epochs": 0} | kw)),
+        lambda **kw: od.daso(
+            optax.sgd(0.1, momentum=0.9),
+            local_comm=COMM,
+            global_comm=COMM,
+            **({"steps_per_epoch": 2, "total_epochs": 3, "warmup_epochs": 1, "cooldown_epochs": 0} | kw),
+        ),
         dict(steps_per_epoch=0),
     ),
     "daso_heat": (
-        lambda **kw: od.daso(optax.sgd(0.1), local_comm=COMM, global_comm=COMM,
-                             **({"steps_per_epoch": 1, "total_epochs": 3, "warmup_epochs": 0,
-                                 "cooldown_epochs": 0, "first_cycle": "heat",
-                                 "downcast_in_cycling": False, "downcast": None,
-                                 "heat_redundant_broadcast": True, "merge_weight": "heat"} | kw)),
+        lambda **kw: od.daso(
+            optax.sgd(0.1),
+            local_comm=COMM,
+            global_comm=COMM,
+            **(
+                {
+                    "steps_per_epoch": 1,
+                    "total_epochs": 3,
+                    "warmup_epochs": 0,
+                    "cooldown_epochs": 0,
+                    "first_cycle": "heat",
+                    "downcast_in_cycling": False,
+                    "downcast": None,
+                    "heat_redundant_broadcast": True,
+                    "merge_weight": "heat",
+                }
+                | kw
+            ),
+        ),
         dict(first_cycle=(0, 1, 1)),
     ),
     "sign_sgd": (lambda **kw: od.sign_sgd(0.1, momentum=0.9, **kw), dict(weight_decay=-1.0)),

@@ -26,9 +26,26 @@ LR = 0.05
 
 
 class HeatDaso:
-    def __init__(self, N, G, steps_per_epoch, total_epochs, *, warmup=4, cooldown=4, max_gs=8,
-                 stability=0.05, srf=2, lsf=4, patience=2, first_cycle=(4, 1, 1), wire=None,
-                 wire_in_cycling=False, redundant_bcast=True, actual_delay=False):
+    def __init__(
+        self,
+        N,
+        G,
+        steps_per_epoch,
+        total_epochs,
+        *,
+        warmup=4,
+        cooldown=4,
+        max_gs=8,
+        stability=0.05,
+        srf=2,
+        lsf=4,
+        patience=2,
+        first_cycle=(4, 1, 1),
+        wire=None,
+        wire_in_cycling=False,
+        redundant_bcast=True,
+        actual_delay=False,
+    ):
         self.N, self.G, self.W = N, G, N * G
         self.last_batch = steps_per_epoch - 1
         self.total, self.warmup, self.cooldown = total_epochs, warmup, cooldown
@@ -170,8 +187,11 @@ class HeatDaso:
             return
         if loss is None:  # optaxdist without value=: the detector is not fed
             return
-        better = loss < self.best * (1 - self.stability) if self.best >= 0 else \
-            loss < self.best * (1 + self.stability)
+        better = (
+            loss < self.best * (1 - self.stability)
+            if self.best >= 0
+            else loss < self.best * (1 + self.stability)
+        )
         if better:
             self.best, self.bad = loss, 0
         else:
@@ -237,7 +257,8 @@ def make_train(tx, steps, pass_value=True):
             extra = dict(value=vb) if pass_value else {}
             u, s = tx.update(grad_fn(p, xb, yb), s, p, **extra)
             return (optax.apply_updates(p, u), s), (
-                s.last_events, jnp.stack([s.global_skip, s.local_skip, s.batches_to_wait])
+                s.last_events,
+                jnp.stack([s.global_skip, s.local_skip, s.batches_to_wait]),
             )
 
         (p, s), trace = jax.lax.scan(body, (p, s), (x, y, v), length=steps)
@@ -283,32 +304,55 @@ def heat_describe(ev):
 # The timelines of seeds_spec §1.3.8 (G = 4), written out batch by batch.
 TIMELINES = {
     "gs4_ls1_btw1": dict(
-        cycle=(4, 1, 1), steps_per_epoch=12,
-        events={0: "SEND(g0,1)", 1: "merge(g0,1) bcast0", 4: "SEND(g1,1) bcast0",
-                5: "merge(g1,1) bcast1", 8: "SEND(g2,1) bcast1", 9: "merge(g2,1) bcast2",
-                11: "SEND(g3,0) bcast2 AVG(g3) bcast3"},
+        cycle=(4, 1, 1),
+        steps_per_epoch=12,
+        events={
+            0: "SEND(g0,1)",
+            1: "merge(g0,1) bcast0",
+            4: "SEND(g1,1) bcast0",
+            5: "merge(g1,1) bcast1",
+            8: "SEND(g2,1) bcast1",
+            9: "merge(g2,1) bcast2",
+            11: "SEND(g3,0) bcast2 AVG(g3) bcast3",
+        },
         redundant={4, 8, 11},  # the broadcasts from send_mod_m1 with nothing to merge (H3)
     ),
     "gs2_ls1_btw1": dict(
-        cycle=(2, 1, 1), steps_per_epoch=12,
-        events={0: "SEND(g0,1)", 2: "SEND(g1,1) merge(g0,1) bcast0",
-                4: "SEND(g2,1) merge(g1,1) bcast1", 6: "SEND(g3,1) merge(g2,1) bcast2",
-                8: "SEND(g0,1) merge(g3,1) bcast3", 10: "SEND(g1,1) merge(g0,1) bcast0",
-                11: "SEND(g2,0) merge(g1,1) bcast1 AVG(g2) bcast2"},
+        cycle=(2, 1, 1),
+        steps_per_epoch=12,
+        events={
+            0: "SEND(g0,1)",
+            2: "SEND(g1,1) merge(g0,1) bcast0",
+            4: "SEND(g2,1) merge(g1,1) bcast1",
+            6: "SEND(g3,1) merge(g2,1) bcast2",
+            8: "SEND(g0,1) merge(g3,1) bcast3",
+            10: "SEND(g1,1) merge(g0,1) bcast0",
+            11: "SEND(g2,0) merge(g1,1) bcast1 AVG(g2) bcast2",
+        },
         redundant=set(),
     ),
     "gs1_ls1_btw1": dict(
-        cycle=(1, 1, 1), steps_per_epoch=12,
-        events={b: f"SEND(g{b % 4},{0 if b == 11 else 1})"
-                + (f" merge(g{(b - 1) % 4},1) bcast{(b - 1) % 4}" if b else "")
-                + (" AVG(g3) bcast3" if b == 11 else "") for b in range(12)},
+        cycle=(1, 1, 1),
+        steps_per_epoch=12,
+        events={
+            b: f"SEND(g{b % 4},{0 if b == 11 else 1})"
+            + (f" merge(g{(b - 1) % 4},1) bcast{(b - 1) % 4}" if b else "")
+            + (" AVG(g3) bcast3" if b == 11 else "")
+            for b in range(12)
+        },
         redundant=set(),
     ),
     "gs8_ls2_btw2": dict(
-        cycle=(8, 2, 2), steps_per_epoch=20,
-        events={0: "SEND(g0,2)", 2: "merge(g0,2) bcast0", 8: "SEND(g1,2) bcast0",
-                10: "merge(g1,2) bcast1", 16: "SEND(g2,2) bcast1",
-                19: "SEND(g3,0) merge(g2,2) bcast2 AVG(g3) bcast3"},
+        cycle=(8, 2, 2),
+        steps_per_epoch=20,
+        events={
+            0: "SEND(g0,2)",
+            2: "merge(g0,2) bcast0",
+            8: "SEND(g1,2) bcast0",
+            10: "merge(g1,2) bcast1",
+            16: "SEND(g2,2) bcast1",
+            19: "SEND(g3,0) merge(g2,2) bcast2 AVG(g3) bcast3",
+        },
         redundant={8, 16},
         # local gradient all-reduce in the backward of each batch (the spec's "b11 off ... b15
         # off" written out by Heat's rules)
@@ -328,16 +372,21 @@ def test_timelines(name, redundant):
         if not redundant and b in spec["redundant"]:  # drop the first broadcast of the batch
             parts = text.split(" ")
             i = next(i for i, w in enumerate(parts) if w.startswith("bcast"))
-            text = " ".join(parts[:i] + parts[i + 1:])
+            text = " ".join(parts[:i] + parts[i + 1 :])
         want.append(text)
-    kw = dict(steps_per_epoch=spe, total_epochs=10, warmup_epochs=0, cooldown_epochs=0,
-              first_cycle=spec["cycle"], heat_redundant_broadcast=redundant)
+    kw = dict(
+        steps_per_epoch=spe,
+        total_epochs=10,
+        warmup_epochs=0,
+        cooldown_epochs=0,
+        first_cycle=spec["cycle"],
+        heat_redundant_broadcast=redundant,
+    )
     _, state, (ev, _) = simulate_daso(1, 4, spe, **kw)
     got = [describe(ev, b) for b in range(spe)]
     assert got == want
     # the NumPy transcription of Heat's code gives the same timeline
-    ref = HeatDaso(1, 4, spe, 10, warmup=0, cooldown=0, first_cycle=spec["cycle"],
-                   redundant_bcast=redundant)
+    ref = HeatDaso(1, 4, spe, 10, warmup=0, cooldown=0, first_cycle=spec["cycle"], redundant_bcast=redundant)
     _, ref_events, _ = heat_trajectory(ref, spe)
     assert [heat_describe(e) for _, e in ref_events] == want
     if "local_sync" in spec:
@@ -358,8 +407,9 @@ def test_timelines(name, redundant):
 
 def test_blocking_phase_timeline_and_bytes():
     spe = 6
-    _, state, (ev, sched) = simulate_daso(2, 4, spe, steps_per_epoch=spe, total_epochs=3,
-                                          warmup_epochs=1, cooldown_epochs=0)
+    _, state, (ev, sched) = simulate_daso(
+        2, 4, spe, steps_per_epoch=spe, total_epochs=3, warmup_epochs=1, cooldown_epochs=0
+    )
     for b in range(spe):
         k = b % 4
         assert describe(ev, b, dtype=True) == f"SEND(g{k},0,lowp) AVG(g{k}) bcast{k}"
@@ -379,9 +429,17 @@ def test_blocking_phase_timeline_and_bytes():
 def test_merge_by_hand_two_nodes_two_local():
     """Gradients −(r+1) on replica r, lr 1, cycle (4, 1, 1): node means 1.5 and 3.5 per step."""
     h = od.axis_hierarchy(2, 2)
-    tx = daso(optax.sgd(1.0), local_comm=h.local, global_comm=h.cross, steps_per_epoch=8,
-              total_epochs=2, warmup_epochs=0, cooldown_epochs=0, first_cycle=(4, 1, 1),
-              downcast="float32")
+    tx = daso(
+        optax.sgd(1.0),
+        local_comm=h.local,
+        global_comm=h.cross,
+        steps_per_epoch=8,
+        total_epochs=2,
+        warmup_epochs=0,
+        cooldown_epochs=0,
+        first_cycle=(4, 1, 1),
+        downcast="float32",
+    )
 
     def run(p, g):
         s = tx.init(p)
@@ -414,11 +472,28 @@ def test_trajectory_matches_heat_transcription(options):
     N, G, spe, epochs = 2, 2, 12, 3
     kw = OPTION_SETS[options]
     params, state, (ev, _) = simulate_daso(
-        N, G, spe * epochs, steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=1,
-        cooldown_epochs=1, first_cycle=(4, 2, 2), downcast="float32", **kw)
-    ref = HeatDaso(N, G, spe, epochs, warmup=1, cooldown=1, first_cycle=(4, 2, 2),
-                   redundant_bcast=kw["heat_redundant_broadcast"],
-                   actual_delay=kw["merge_weight"] == "actual")
+        N,
+        G,
+        spe * epochs,
+        steps_per_epoch=spe,
+        total_epochs=epochs,
+        warmup_epochs=1,
+        cooldown_epochs=1,
+        first_cycle=(4, 2, 2),
+        downcast="float32",
+        **kw,
+    )
+    ref = HeatDaso(
+        N,
+        G,
+        spe,
+        epochs,
+        warmup=1,
+        cooldown=1,
+        first_cycle=(4, 2, 2),
+        redundant_bcast=kw["heat_redundant_broadcast"],
+        actual_delay=kw["merge_weight"] == "actual",
+    )
     want, ref_events, _ = heat_trajectory(ref, spe * epochs)
     for k in want:
         np.testing.assert_allclose(params[k], want[k], atol=2e-5, rtol=0)
@@ -430,20 +505,33 @@ def test_trajectory_matches_heat_transcription(options):
     # the replicas of a node drift apart while local sync is off, and agree after each epoch
     assert not ev.local_grad_sync[0].all()
     for k in params:
-        np.testing.assert_allclose(params[k], np.broadcast_to(params[k][0], params[k].shape),
-                                   atol=1e-6, rtol=0)
+        np.testing.assert_allclose(
+            params[k], np.broadcast_to(params[k][0], params[k].shape), atol=1e-6, rtol=0
+        )
 
 
 def test_bfloat16_sends_and_heat_float32_cycling():
     N, G, spe, epochs = 2, 2, 8, 2
-    base = dict(steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=1, cooldown_epochs=0,
-                first_cycle=(2, 1, 1))
+    base = dict(
+        steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=1, cooldown_epochs=0, first_cycle=(2, 1, 1)
+    )
     for in_cycling in (True, False):
-        params, state, (ev, _) = simulate_daso(N, G, spe * epochs, downcast="bfloat16",
-                                               downcast_in_cycling=in_cycling, **base)
-        ref = HeatDaso(N, G, spe, epochs, warmup=1, cooldown=0, first_cycle=(2, 1, 1),
-                       wire=ml_dtypes.bfloat16, wire_in_cycling=in_cycling,
-                       redundant_bcast=False, actual_delay=True)
+        params, state, (ev, _) = simulate_daso(
+            N, G, spe * epochs, downcast="bfloat16", downcast_in_cycling=in_cycling, **base
+        )
+        ref = HeatDaso(
+            N,
+            G,
+            spe,
+            epochs,
+            warmup=1,
+            cooldown=0,
+            first_cycle=(2, 1, 1),
+            wire=ml_dtypes.bfloat16,
+            wire_in_cycling=in_cycling,
+            redundant_bcast=False,
+            actual_delay=True,
+        )
         want, _, _ = heat_trajectory(ref, spe * epochs)
         for k in want:
             np.testing.assert_allclose(params[k], want[k], atol=3e-2, rtol=1e-2)
@@ -458,7 +546,8 @@ def test_bfloat16_sends_and_heat_float32_cycling():
             assert low[:spe][sent[:spe]].all() and not low[spe:][sent[spe:]].any()
             cycling_sends = int(sent[spe:].sum())
             assert stats["global:all_reduce[float32]"] == od.KindTotals(
-                cycling_sends, cycling_sends * p_elems * 4)
+                cycling_sends, cycling_sends * p_elems * 4
+            )
             assert stats["global:all_reduce[bfloat16]"].collectives == spe
 
 
@@ -475,8 +564,13 @@ def test_plateau_cycling_from_the_loss(first_cycle):
     N, G, spe, epochs, warm, cool = 2, 2, 2, 17, 1, 2
     values = [10.0] * 14 + [9.0, 8.0, 7.0]
     losses = epoch_losses(values, N * G, spe)
-    kw = dict(steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=warm,
-              cooldown_epochs=cool, first_cycle=first_cycle)
+    kw = dict(
+        steps_per_epoch=spe,
+        total_epochs=epochs,
+        warmup_epochs=warm,
+        cooldown_epochs=cool,
+        first_cycle=first_cycle,
+    )
     _, _, (_, sched) = simulate_daso(N, G, spe * epochs, losses=losses, **kw)
     after_epoch = [tuple(int(v) for v in sched[0, e * spe + spe - 1]) for e in range(epochs)]
     first = (4, 1, 1) if first_cycle == "heat" else (8, 2, 2)
@@ -484,11 +578,23 @@ def test_plateau_cycling_from_the_loss(first_cycle):
     _, _, ref_sched = heat_trajectory(ref, spe * epochs, losses=losses)
     assert after_epoch == [ref_sched[e * spe + spe - 1] for e in range(epochs)]
     if first_cycle == "heat":
-        want = [(4, 1, 1)] * 3 + [(2, 1, 1)] * 3 + [(1, 1, 1)] * 3 + [(8, 2, 2)] * 3 \
-            + [(4, 1, 1)] * 2 + [(0, 0, 0)] * 3
+        want = (
+            [(4, 1, 1)] * 3
+            + [(2, 1, 1)] * 3
+            + [(1, 1, 1)] * 3
+            + [(8, 2, 2)] * 3
+            + [(4, 1, 1)] * 2
+            + [(0, 0, 0)] * 3
+        )
     else:
-        want = [(8, 2, 2)] * 3 + [(4, 1, 1)] * 3 + [(2, 1, 1)] * 3 + [(1, 1, 1)] * 3 \
-            + [(8, 2, 2)] * 2 + [(0, 0, 0)] * 3
+        want = (
+            [(8, 2, 2)] * 3
+            + [(4, 1, 1)] * 3
+            + [(2, 1, 1)] * 3
+            + [(1, 1, 1)] * 3
+            + [(8, 2, 2)] * 2
+            + [(0, 0, 0)] * 3
+        )
     assert after_epoch == want
 
 
@@ -501,8 +607,7 @@ def test_improving_loss_keeps_the_cycle_and_no_loss_feeds_nothing():
     # the threshold is relative: 1 % per epoch is a plateau after 3 epochs with 0.05
     values = [10.0 * 0.99**e for e in range(epochs)]
     _, _, (_, sched) = simulate_daso(N, G, spe * epochs, losses=epoch_losses(values, 2, spe), **kw)
-    assert [tuple(sched[0, e * spe + spe - 1]) for e in range(epochs)] == \
-        [(8, 2, 2)] * 3 + [(4, 1, 1)] * 5
+    assert [tuple(sched[0, e * spe + spe - 1]) for e in range(epochs)] == [(8, 2, 2)] * 3 + [(4, 1, 1)] * 5
     # without value= the detector is not fed: constant losses would have reduced the cycle
     _, state, (_, sched) = simulate_daso(N, G, spe * epochs, pass_value=False, **kw)
     assert {tuple(s) for s in sched[0, spe:]} == {(8, 2, 2)}
@@ -512,13 +617,28 @@ def test_improving_loss_keeps_the_cycle_and_no_loss_feeds_nothing():
 def test_warmup_zero_and_one_device_per_node():
     """H6: warmup_epochs=0 cycles from the first batch. H7: G = 1 works (no local collectives)."""
     N, G, spe, epochs = 2, 1, 10, 2
-    kw = dict(steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=0, cooldown_epochs=0,
-              first_cycle=(4, 1, 2), downcast="float32")
+    kw = dict(
+        steps_per_epoch=spe,
+        total_epochs=epochs,
+        warmup_epochs=0,
+        cooldown_epochs=0,
+        first_cycle=(4, 1, 2),
+        downcast="float32",
+    )
     params, state, (ev, sched) = simulate_daso(N, G, spe * epochs, **kw)
     assert tuple(sched[0, 0]) == (4, 1, 2)
     assert describe(ev, 0) == "SEND(g0,2)"
-    ref = HeatDaso(N, G, spe, epochs, warmup=0, cooldown=0, first_cycle=(4, 1, 2),
-                   redundant_bcast=False, actual_delay=True)
+    ref = HeatDaso(
+        N,
+        G,
+        spe,
+        epochs,
+        warmup=0,
+        cooldown=0,
+        first_cycle=(4, 1, 2),
+        redundant_bcast=False,
+        actual_delay=True,
+    )
     want, ref_events, _ = heat_trajectory(ref, spe * epochs)
     for k in want:
         np.testing.assert_allclose(params[k], want[k], atol=2e-5, rtol=0)
@@ -526,15 +646,23 @@ def test_warmup_zero_and_one_device_per_node():
     assert stats["local:all_reduce[float32]"].collectives == 0
     assert stats["local:broadcast[float32]"].collectives == 0
     assert stats["global:all_reduce[float32]"].collectives == sum(
-        any(x.startswith("SEND") for x in e) for _, e in ref_events)
+        any(x.startswith("SEND") for x in e) for _, e in ref_events
+    )
 
 
 def test_frozen_parameters_with_multi_transform():
     """H4: freeze with optax.multi_transform; DASO only sees, sends and merges trainable leaves."""
     N, G, spe, steps = 2, 2, 6, 12
     h = od.axis_hierarchy(N, G)
-    kw = dict(local_comm=h.local, global_comm=h.cross, steps_per_epoch=spe, total_epochs=4,
-              warmup_epochs=1, cooldown_epochs=0, first_cycle=(2, 1, 1))
+    kw = dict(
+        local_comm=h.local,
+        global_comm=h.cross,
+        steps_per_epoch=spe,
+        total_epochs=4,
+        warmup_epochs=1,
+        cooldown_epochs=0,
+        first_cycle=(2, 1, 1),
+    )
     frozen_tx = optax.multi_transform(
         {"train": daso(optax.sgd(LR), **kw), "frozen": optax.set_to_zero()},
         {"frozen0": "frozen", "w": "train", "b": "train"},
@@ -556,9 +684,11 @@ def test_frozen_parameters_with_multi_transform():
     frozen = np.full((N * G, 5), 0.1234567, np.float32)
     sim = lambda f: od.simulate(f, axis_name=("node", "local"), shape=(N, G))
     a, state = sim(lambda p, x, y: train(frozen_tx, p, x, y))(
-        dict(od.replicate(p0, N * G), frozen0=frozen), np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1))
+        dict(od.replicate(p0, N * G), frozen0=frozen), np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1)
+    )
     b, _ = sim(lambda p, x, y: train(plain_tx, p, x, y))(
-        od.replicate(p0, N * G), np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1))
+        od.replicate(p0, N * G), np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1)
+    )
     np.testing.assert_array_equal(a["frozen0"], frozen)  # bit-exact: never sent, never rounded
     for k in ("w", "b"):
         np.testing.assert_array_equal(a[k], b[k])
@@ -569,11 +699,12 @@ def test_frozen_parameters_with_multi_transform():
 
 def test_same_numbers_on_vmap_and_mesh():
     N, G, spe, epochs = 2, 2, 7, 3
-    kw = dict(steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=1, cooldown_epochs=1,
-              first_cycle=(2, 2, 1))
+    kw = dict(
+        steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=1, cooldown_epochs=1, first_cycle=(2, 2, 1)
+    )
     losses = epoch_losses([3.0, 2.0, 1.0], N * G, spe)
     sim = simulate_daso(N, G, spe * epochs, losses=losses, **kw)
-    mh = od.mesh_hierarchy(N, G, devices=jax.devices()[:N * G])
+    mh = od.mesh_hierarchy(N, G, devices=jax.devices()[: N * G])
     tx = daso(optax.sgd(LR), local_comm=mh.local, global_comm=mh.cross, **kw)
     mesh = od.on_mesh(make_train(tx, spe * epochs), mh.mesh)(*inputs(N * G, spe * epochs, losses))
     mesh = jax.tree.map(np.asarray, mesh)
@@ -593,8 +724,9 @@ def test_same_numbers_under_mpi(harness):
     G = 2 if W % 2 == 0 and W >= 4 else 1
     N = W // G
     spe, epochs = 7, 2
-    kw = dict(steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=1, cooldown_epochs=0,
-              first_cycle=(2, 2, 1))
+    kw = dict(
+        steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=1, cooldown_epochs=0, first_cycle=(2, 2, 1)
+    )
     losses = epoch_losses([3.0, 2.0], W, spe)
     h = od.mpi_hierarchy(G)
     tx = daso(optax.sgd(LR), local_comm=h.local, global_comm=h.cross, **kw)
@@ -614,8 +746,15 @@ def test_dynamic_loss_scale_composition(order):
     ``daso(dynamic_loss_scale(...))`` is Heat's ``add_scaler``: only the local step is skipped."""
     N, G, spe, steps = 2, 2, 4, 10
     h = od.axis_hierarchy(N, G)
-    kw = dict(local_comm=h.local, global_comm=h.cross, steps_per_epoch=spe, total_epochs=5,
-              warmup_epochs=1, cooldown_epochs=0, first_cycle=(2, 2, 1))
+    kw = dict(
+        local_comm=h.local,
+        global_comm=h.cross,
+        steps_per_epoch=spe,
+        total_epochs=5,
+        warmup_epochs=1,
+        cooldown_epochs=0,
+        first_cycle=(2, 2, 1),
+    )
     if order == "outside":
         tx = od.dynamic_loss_scale(daso(optax.sgd(LR), **kw), comm=h.world, init_scale=4.0)
     else:
@@ -643,7 +782,8 @@ def test_dynamic_loss_scale_composition(order):
 
     p0 = od.replicate(jax.tree.map(jnp.asarray, init_params()), N * G)
     p, s, (before, batch) = od.simulate(train, axis_name=("node", "local"), shape=(N, G))(
-        p0, np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1), poison)
+        p0, np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1), poison
+    )
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(p))
     batch = np.asarray(batch[0])
     if order == "outside":
@@ -698,10 +838,14 @@ HIDDEN = 4
 def mlp_params(seed=0):
     rng = np.random.default_rng(seed)
     return {
-        "l1": {"w": rng.normal(size=(3, HIDDEN)).astype(np.float32) * 0.5,
-               "b": rng.normal(size=(HIDDEN,)).astype(np.float32) * 0.1},
-        "l2": {"w": rng.normal(size=(HIDDEN, 2)).astype(np.float32) * 0.5,
-               "b": rng.normal(size=(2,)).astype(np.float32) * 0.1},
+        "l1": {
+            "w": rng.normal(size=(3, HIDDEN)).astype(np.float32) * 0.5,
+            "b": rng.normal(size=(HIDDEN,)).astype(np.float32) * 0.1,
+        },
+        "l2": {
+            "w": rng.normal(size=(HIDDEN, 2)).astype(np.float32) * 0.5,
+            "b": rng.normal(size=(2,)).astype(np.float32) * 0.1,
+        },
     }
 
 
@@ -738,8 +882,7 @@ def np_nonblocking_dp(W, steps, lr, momentum):
             d = (out - y) / len(x)
             step_losses.append(0.5 * np.mean(np.sum((out - y) ** 2, -1)))
             dh = d @ p["l2"]["w"].T * (1 - h**2)
-            local.append({"l1": {"w": x.T @ dh, "b": dh.sum(0)},
-                          "l2": {"w": h.T @ d, "b": d.sum(0)}})
+            local.append({"l1": {"w": x.T @ dh, "b": dh.sum(0)}, "l2": {"w": h.T @ d, "b": d.sum(0)}})
         losses.append(step_losses)
         update_next = False
         # backward hooks: w = g / W, Iallreduce SUM; the local .grad gets zeros
@@ -754,8 +897,9 @@ def np_nonblocking_dp(W, steps, lr, momentum):
 def test_heat_nonblocking_data_parallel_is_synchronous_sgd(harness):
     n, steps, lr, momentum = harness.n, 8, 0.1, 0.9
     want, want_losses = np_nonblocking_dp(n, steps, lr, momentum)
-    tx = optax.chain(od.allreduce(comm=harness.comm, divide_before=True, dtype="float32"),
-                     optax.sgd(lr, momentum=momentum))
+    tx = optax.chain(
+        od.allreduce(comm=harness.comm, divide_before=True, dtype="float32"), optax.sgd(lr, momentum=momentum)
+    )
     xs, ys = replica_data(n, steps)
 
     def train(p, x, y):
@@ -776,5 +920,8 @@ def test_heat_nonblocking_data_parallel_is_synchronous_sgd(harness):
     for layer in want:
         for name in want[layer]:
             np.testing.assert_allclose(
-                got[layer][name], np.broadcast_to(want[layer][name], got[layer][name].shape),
-                atol=1e-5, rtol=1e-5)
+                got[layer][name],
+                np.broadcast_to(want[layer][name], got[layer][name].shape),
+                atol=1e-5,
+                rtol=1e-5,
+            )

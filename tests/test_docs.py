@@ -39,8 +39,14 @@ def test_doc_block_runs(code, tmp_path):
     if "mpirun" in code or "MpiComm" in code or "mpi_hierarchy" in code:
         script = tmp_path / "block.py"
         script.write_text(code)
-        proc = subprocess.run([_mpirun(), "-n", "2", sys.executable, str(script)], cwd=ROOT,
-                              env=_env(), capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [_mpirun(), "-n", "2", sys.executable, str(script)],
+            cwd=ROOT,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return
     with jax.numpy_dtype_promotion("standard"):  # users' code runs with JAX's default promotion

@@ -71,8 +71,11 @@ def test_same_numbers_on_every_harness(harness):
     from tests.harness import VmapHarness
 
     n = harness.n
-    g = topo.npeer_dynamic_directed_exponential_graph(n, peers_per_itr=min(2, max(n - 1, 1))) \
-        if n > 2 else topo.ring(max(n, 1), directed=True)
+    g = (
+        topo.npeer_dynamic_directed_exponential_graph(n, peers_per_itr=min(2, max(n - 1, 1)))
+        if n > 2
+        else topo.ring(max(n, 1), directed=True)
+    )
     make = lambda c: od.sgp(optax.sgd(LR, momentum=0.9), comm=c, topology=g, overlap=True)
     a, _ = run_trajectory(harness, make, steps=STEPS)
     b, _ = run_trajectory(VmapHarness(n), make, steps=STEPS)
@@ -83,8 +86,14 @@ def push_sum_values(harness, topology, steps, *, overlap=False, global_every=Non
     """Zero gradients from different starting values: gossip alone."""
     n = harness.n
     x0 = np.linspace(-3.0, 5.0, n, dtype=np.float32)[:, None] * np.ones((n, 2), np.float32)
-    tx = od.sgp(optax.sgd(LR), comm=harness.comm, topology=topology, overlap=overlap,
-                global_every=global_every, check_start=False)
+    tx = od.sgp(
+        optax.sgd(LR),
+        comm=harness.comm,
+        topology=topology,
+        overlap=overlap,
+        global_every=global_every,
+        check_start=False,
+    )
 
     def run(x):
         s = tx.init(x)
@@ -103,8 +112,7 @@ def push_sum_values(harness, topology, steps, *, overlap=False, global_every=Non
 
 def nonregular_directed(n):
     # node 0 sends to everyone, the others only to their successor: column-stochastic, not regular
-    return topo.from_neighbors([list(range(1, n))] + [[(i + 1) % n] for i in range(1, n)],
-                               directed=True)
+    return topo.from_neighbors([list(range(1, n))] + [[(i + 1) % n] for i in range(1, n)], directed=True)
 
 
 def test_push_sum_debiases_on_a_nonregular_directed_graph(harness):
@@ -147,8 +155,9 @@ def test_dpsgd_metropolis_star_keeps_the_average():
     harness = __import__("tests.harness", fromlist=["VmapHarness"]).VmapHarness(n)
     x0 = np.arange(n, dtype=np.float32)[:, None] * np.ones((n, 2), np.float32)
     for metropolis, unbiased in ((True, True), (False, False)):
-        tx = od.decentralized_sgd(optax.sgd(LR), comm=harness.comm, topology=topo.star(n),
-                                  metropolis=metropolis, check_start=False)
+        tx = od.decentralized_sgd(
+            optax.sgd(LR), comm=harness.comm, topology=topo.star(n), metropolis=metropolis, check_start=False
+        )
 
         def run(x, tx=tx):
             s = tx.init(x)
@@ -171,8 +180,13 @@ def test_slowmo_over_sgp_equals_sgp_with_global_averages(harness):
     ring = topo.ring(n)
     a, _ = run_trajectory(
         harness,
-        lambda c: od.slowmo(od.sgp(optax.sgd(LR), comm=c, topology=ring, check_start=False),
-                            comm=c, period=4, learning_rate=LR, momentum=0.0),
+        lambda c: od.slowmo(
+            od.sgp(optax.sgd(LR), comm=c, topology=ring, check_start=False),
+            comm=c,
+            period=4,
+            learning_rate=LR,
+            momentum=0.0,
+        ),
         steps=STEPS,
     )
     b, _ = run_trajectory(

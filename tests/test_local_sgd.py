@@ -65,9 +65,7 @@ def test_post_local_warmup_is_synchronous_then_local(harness):
         lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=period, warmup_steps=warm),
         steps=warm,
     )
-    ref, _ = run_trajectory(
-        harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(LR)), steps=warm
-    )
+    ref, _ = run_trajectory(harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(LR)), steps=warm)
     close(params, ref, atol=1e-6)
     od.assert_replicas_identical(params)
     params, state = run_trajectory(
@@ -119,8 +117,9 @@ def test_sync_model_state_only_on_sync_steps(harness):
 def test_hierarchical_levels():
     nodes, local = 2, 4
     h = od.axis_hierarchy(nodes, local)
-    tx = od.local_sgd(optax.sgd(1.0), comm=h.world, period=4, local_comm=h.local, local_period=2,
-                      check_start=False)  # replicas start apart on purpose
+    tx = od.local_sgd(
+        optax.sgd(1.0), comm=h.world, period=4, local_comm=h.local, local_period=2, check_start=False
+    )  # replicas start apart on purpose
     x = np.arange(nodes * local, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
 
     def run(p):
@@ -191,8 +190,16 @@ def test_slowmo_matches_fairscale_formula(harness, memory_efficient):
     kw = dict(num_shards=n) if memory_efficient else {}
     params, state = run_trajectory(
         harness,
-        lambda c: od.slowmo(optax.sgd(sched), comm=c, period=3, learning_rate=sched, momentum=0.5,
-                            slow_lr=0.8, memory_efficient=memory_efficient, **kw),
+        lambda c: od.slowmo(
+            optax.sgd(sched),
+            comm=c,
+            period=3,
+            learning_rate=sched,
+            momentum=0.5,
+            slow_lr=0.8,
+            memory_efficient=memory_efficient,
+            **kw,
+        ),
         steps=STEPS,
     )
     want = np_slowmo(n, 3, 0.5, 0.8, lambda t: LR * 0.5 ** (t / 4))
@@ -216,8 +223,16 @@ def test_slowmo_anchor_after_first_step(harness, memory_efficient):
     kw = dict(num_shards=n) if memory_efficient else {}
     params, _ = run_trajectory(
         harness,
-        lambda c: od.slowmo(optax.sgd(LR), comm=c, period=3, learning_rate=LR, momentum=0.5,
-                            anchor_after_first_step=True, memory_efficient=memory_efficient, **kw),
+        lambda c: od.slowmo(
+            optax.sgd(LR),
+            comm=c,
+            period=3,
+            learning_rate=LR,
+            momentum=0.5,
+            anchor_after_first_step=True,
+            memory_efficient=memory_efficient,
+            **kw,
+        ),
         steps=6,
     )
     # x0 = the replicas' mean after step 0: the first slow step covers 2 local steps
@@ -231,14 +246,15 @@ def test_diloco_defaults_and_compressed_pseudo_gradients(harness):
     params, state = run_trajectory(
         harness,
         lambda c: od.diloco(
-            optax.sgd(LR), comm=c, period=period,
+            optax.sgd(LR),
+            comm=c,
+            period=period,
             reducer=od.compressed_allreduce(od.compress.top_k(fraction=0.5), comm=c),
         ),
         steps=2 * period,
     )
     # params + (x0 − params) is x0 up to an ulp: the anchor in the state is the exact copy
-    np.testing.assert_allclose(params["w"], np.broadcast_to(params["w"][0], params["w"].shape),
-                               atol=1e-6)
+    np.testing.assert_allclose(params["w"], np.broadcast_to(params["w"][0], params["w"].shape), atol=1e-6)
     od.assert_replicas_identical(state.anchor_params)
     assert np.isfinite(params["w"]).all()
     stats = sync_stats(state)
@@ -266,8 +282,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="momentum="):
         od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, momentum=-1.0)
     with pytest.raises(ValueError, match="can't be combined"):
-        od.outer_sync(optax.sgd(0.1), optax.sgd(1.0), comm=comm, period=2, num_shards=2,
-                      reducer=od.allreduce(comm=comm))
+        od.outer_sync(
+            optax.sgd(0.1), optax.sgd(1.0), comm=comm, period=2, num_shards=2, reducer=od.allreduce(comm=comm)
+        )
 
 
 @pytest.mark.parametrize(

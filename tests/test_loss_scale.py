@@ -38,7 +38,9 @@ def test_nonfinite_on_one_replica_skips_everywhere(harness):
     comm = harness.comm
     tx = od.dynamic_loss_scale(
         optax.chain(od.allreduce(comm=comm), optax.sgd(LR, momentum=0.9)),
-        comm=comm, init_scale=8.0, growth_interval=4,
+        comm=comm,
+        init_scale=8.0,
+        growth_interval=4,
     )
     params0 = od.replicate(jax.tree.map(jnp.asarray, init_params()), n)
     run = lambda p, x, y, b: scan_steps(tx, p, x, y, b)
@@ -52,9 +54,7 @@ def test_nonfinite_on_one_replica_skips_everywhere(harness):
         np.testing.assert_array_equal(p_before["w"][:, t + 1], p_before["w"][:, t])
         inner_before = jax.tree.leaves(s_before.inner_state)
         inner_after = jax.tree.leaves(s_after.inner_state)
-        momentum_leaves = [
-            (a, b) for a, b in zip(inner_before, inner_after) if a.dtype == np.float32
-        ]
+        momentum_leaves = [(a, b) for a, b in zip(inner_before, inner_after) if a.dtype == np.float32]
         assert momentum_leaves
         for a, b in momentum_leaves:
             np.testing.assert_array_equal(a[:, t], b[:, t])
@@ -81,8 +81,7 @@ def test_nonfinite_on_one_replica_skips_everywhere(harness):
 def test_fp16_wire_overflow_is_caught(harness):
     """The local gradients are finite but their fp16 sum overflows: every replica skips."""
     n, comm = harness.n, harness.comm
-    tx = od.skip_nonfinite(optax.chain(od.allreduce(comm=comm, dtype="float16"), optax.sgd(1.0)),
-                           comm=comm)
+    tx = od.skip_nonfinite(optax.chain(od.allreduce(comm=comm, dtype="float16"), optax.sgd(1.0)), comm=comm)
     g = np.full((n, 3), 60000.0, np.float32)
     params = np.zeros((n, 3), np.float32)
     upd, state = harness.run(lambda gg, p: tx.update(gg, tx.init(p), p), g, params)

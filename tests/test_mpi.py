@@ -35,12 +35,19 @@ def test_harness_tests_under_mpirun(nproc):
     env = dict(os.environ, OPTAXDIST_MPI="1", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env.pop("XLA_FLAGS", None)  # one device per process
     cmd = [
-        _mpirun(), "-n", str(nproc), sys.executable, "-m", "pytest", "-q", "-x",
-        "-p", "no:cacheprovider", *HARNESS_TEST_FILES,
+        _mpirun(),
+        "-n",
+        str(nproc),
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        *HARNESS_TEST_FILES,
     ]
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     # every rank reports its own pytest summary; each must have run tests and passed them all

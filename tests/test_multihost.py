@@ -30,9 +30,20 @@ def test_two_process_mesh_matches_simulation(tmp_path):
     env.pop("XLA_FLAGS", None)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.multihost_worker", str(i), str(nproc), str(port),
-             str(tmp_path / f"out{i}.npz")],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "tests.multihost_worker",
+                str(i),
+                str(nproc),
+                str(port),
+                str(tmp_path / f"out{i}.npz"),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(nproc)
     ]

@@ -49,7 +49,8 @@ def test_partial_average_round_robin(harness):
 
 def test_streaming_with_one_fragment_equals_diloco(harness):
     a, _ = run_trajectory(
-        harness, lambda c: od.streaming_diloco(optax.sgd(LR), comm=c, period=4, num_fragments=1),
+        harness,
+        lambda c: od.streaming_diloco(optax.sgd(LR), comm=c, period=4, num_fragments=1),
         steps=12,
     )
     b, _ = run_trajectory(harness, lambda c: od.diloco(optax.sgd(LR), comm=c, period=4), steps=12)
@@ -83,8 +84,16 @@ def test_streaming_fragments_staggered_and_delayed(harness, delay, blend):
     period, frags = 4, ((0,), (1,))
     params, state = run_trajectory(
         harness,
-        lambda c: od.streaming_diloco(optax.sgd(LR), optax.sgd(1.0), comm=c, period=period,
-                                      num_fragments=2, delay=delay, blend=blend, fragments=frags),
+        lambda c: od.streaming_diloco(
+            optax.sgd(LR),
+            optax.sgd(1.0),
+            comm=c,
+            period=period,
+            num_fragments=2,
+            delay=delay,
+            blend=blend,
+            fragments=frags,
+        ),
         steps=11,
     )
     close(params, np_streaming(harness.n, period, frags, 11, delay, blend))

@@ -54,8 +54,7 @@ def test_full_rank_equals_allreduce_mean(harness, warm_start):
     grads = make_grads(harness.n, 3)
     us, errors, _, state, _ = run_updates(
         harness,
-        lambda c: powersgd(comm=c, rank=6, start_iter=0, min_compression_rate=0.1,
-                           warm_start=warm_start),
+        lambda c: powersgd(comm=c, rank=6, start_iter=0, min_compression_rate=0.1, warm_start=warm_start),
         grads,
     )
     od.assert_replicas_identical(us)
@@ -64,7 +63,9 @@ def test_full_rank_equals_allreduce_mean(harness, warm_start):
     # both matrices were compressed (full rank: r = min(n, m)); b and s were all-reduced exactly
     assert [e.shape[2:] for e in errors] == [(1, 6, 5), (1, 6, 4)]
     assert set(od.comm_stats(state).by_kind) == {
-        "powersgd_p[float32]", "powersgd_q[float32]", "all_reduce[float32]"
+        "powersgd_p[float32]",
+        "powersgd_q[float32]",
+        "all_reduce[float32]",
     }
     # the residual of replica i is M_i − mean: nonzero, and it sums to zero over replicas
     assert np.abs(errors[1]).max() > 0.1
@@ -91,8 +92,7 @@ def test_error_feedback_sent_plus_residual_is_input(harness):
         assert np.abs(e).max() > 0.1  # a rank-1 approximation of random matrices is lossy
         for t in range(steps):
             assert np.linalg.matrix_rank(u[0, t], tol=1e-5) == 1
-    np.testing.assert_allclose(us["b"], np.broadcast_to(grads["b"].mean(0), us["b"].shape),
-                               atol=1e-6)
+    np.testing.assert_allclose(us["b"], np.broadcast_to(grads["b"].mean(0), us["b"].shape), atol=1e-6)
 
 
 @pytest.mark.parametrize("eps", [1e-8, 0.0])
@@ -109,8 +109,9 @@ def test_zero_and_degenerate_gradients_give_no_nan(harness, eps):
     grads["k"][:, 1] = np.outer(u_vec, [1.0, 0, 0, 2, 0]).reshape(2, 3, 5)
     us, errors, qs, _, _ = run_updates(
         harness,
-        lambda c: powersgd(comm=c, rank=3, start_iter=0, min_compression_rate=0.1,
-                           orthogonalization_epsilon=eps),
+        lambda c: powersgd(
+            comm=c, rank=3, start_iter=0, min_compression_rate=0.1, orthogonalization_epsilon=eps
+        ),
         grads,
     )
     for x in jax.tree.leaves((us, errors, qs)):
@@ -126,9 +127,7 @@ def test_zero_and_degenerate_gradients_give_no_nan(harness, eps):
 def test_warmup_steps_are_exact_allreduce(harness):
     n, start = harness.n, 3
     grads = make_grads(n, 5, seed=3)
-    us, errors, _, state, _ = run_updates(
-        harness, lambda c: powersgd(comm=c, start_iter=start), grads
-    )
+    us, errors, _, state, _ = run_updates(harness, lambda c: powersgd(comm=c, start_iter=start), grads)
     tx = od.allreduce(comm=harness.comm)
     exact = harness.run(lambda g: jax.lax.map(lambda gt: tx.update(gt, tx.init(gt))[0], g), grads)
     for k in grads:
@@ -280,9 +279,7 @@ def test_world_size_one():
     with compress_single_replica=True."""
     grads = make_grads(1, 2, seed=6)
     harness = VmapHarness(1)
-    us, errors, qs, state, q0 = run_updates(
-        harness, lambda c: powersgd(comm=c, start_iter=0), grads
-    )
+    us, errors, qs, state, q0 = run_updates(harness, lambda c: powersgd(comm=c, start_iter=0), grads)
     for k in grads:
         np.testing.assert_array_equal(us[k], grads[k])
     assert all((e == 0).all() for e in errors)
@@ -303,9 +300,7 @@ def test_world_size_one():
 def test_state_on_abstract_shapes_and_bf16_keeps_dtype():
     tx = powersgd(comm=od.AxisComm("replica"), start_iter=1)
     params = {k: jnp.ones(s, jnp.bfloat16) for k, s in SHAPES.items()}
-    abstract = jax.eval_shape(
-        tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    )
+    abstract = jax.eval_shape(tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
     concrete = tx.init(params)
     assert isinstance(concrete, PowerSgdState)
     spec = lambda t: [(x.shape, jnp.dtype(x.dtype)) for x in jax.tree.leaves(t)]
@@ -344,13 +339,17 @@ def test_orthonormalize_is_orthonormal_or_zero(eps):
 def test_bad_hyperparameters_raise_at_construction():
     comm = od.AxisComm("replica")
     for kw, match in [
-        (dict(rank=0), "rank="), (dict(rank=1.5), "rank="), (dict(rank=True), "rank="),
-        (dict(start_iter=-1), "start_iter="), (dict(start_iter=2.0), "start_iter="),
+        (dict(rank=0), "rank="),
+        (dict(rank=1.5), "rank="),
+        (dict(rank=True), "rank="),
+        (dict(start_iter=-1), "start_iter="),
+        (dict(start_iter=2.0), "start_iter="),
         (dict(min_compression_rate=0), "min_compression_rate="),
         (dict(min_compression_rate=-2.0), "min_compression_rate="),
         (dict(min_compression_rate=float("nan")), "min_compression_rate="),
         (dict(orthogonalization_epsilon=-1e-8), "orthogonalization_epsilon="),
-        (dict(seed=0.5), "seed="), (dict(warm_start=1), "warm_start="),
+        (dict(seed=0.5), "seed="),
+        (dict(warm_start=1), "warm_start="),
     ]:
         with pytest.raises(ValueError, match=match):
             powersgd(comm=comm, **kw)
@@ -362,6 +361,4 @@ def test_gradients_that_do_not_match_init_are_a_clear_error():
     tx = powersgd(comm=od.AxisComm("replica"), start_iter=0)
     state = tx.init({"w": jnp.ones((6, 4))})
     with pytest.raises(ValueError, match="do not match"):
-        jax.vmap(lambda g: tx.update(g, state)[0], axis_name="replica")(
-            {"w": jnp.ones((2, 8, 4))}
-        )
+        jax.vmap(lambda g: tx.update(g, state)[0], axis_name="replica")({"w": jnp.ones((2, 8, 4))})

@@ -37,8 +37,15 @@ def test_sign_sgd_matches_numpy(kw):
         return (optax.apply_updates(p, u), s), None
 
     (p, _), _ = jax.lax.scan(body, (jnp.asarray(p0), tx.init(jnp.asarray(p0))), grads)
-    want = np_sign_sgd(p0, grads, 0.01, kw.get("momentum", 0.0), kw.get("dampening", 0.0),
-                       kw.get("weight_decay", 0.0), kw.get("nesterov", False))
+    want = np_sign_sgd(
+        p0,
+        grads,
+        0.01,
+        kw.get("momentum", 0.0),
+        kw.get("dampening", 0.0),
+        kw.get("weight_decay", 0.0),
+        kw.get("nesterov", False),
+    )
     np.testing.assert_allclose(p, want, atol=1e-6)
 
 

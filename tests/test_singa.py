@@ -44,8 +44,13 @@ def test_trajectory_matches_numpy(kw):
 
     (p, _), _ = jax.lax.scan(body, (jnp.asarray(p0), tx.init(jnp.asarray(p0))), grads)
     want = np_singa_sgd(
-        p0, grads, lambda t: 0.1 * 0.5 ** (t // 5), kw.get("momentum", 0.0),
-        kw.get("dampening", 0.0), kw.get("weight_decay", 0.0), kw.get("nesterov", False),
+        p0,
+        grads,
+        lambda t: 0.1 * 0.5 ** (t // 5),
+        kw.get("momentum", 0.0),
+        kw.get("dampening", 0.0),
+        kw.get("weight_decay", 0.0),
+        kw.get("nesterov", False),
     )
     np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-6)
 

@@ -75,8 +75,9 @@ def _offset_schedule(t: topo.Topology) -> list[list[int]]:
     return sched
 
 
-@pytest.mark.parametrize(("compat", "table_"), [(True, COMPAT), (False, CORRECTED)],
-                         ids=["compat", "corrected"])
+@pytest.mark.parametrize(
+    ("compat", "table_"), [(True, COMPAT), (False, CORRECTED)], ids=["compat", "corrected"]
+)
 @pytest.mark.parametrize("key", sorted(COMPAT))
 def test_fairscale_schedules_match_spec_tables(key, compat, table_):
     n, cls = key
@@ -124,9 +125,10 @@ def test_fairscale_compat_float_log_floor_error():
     assert (compat.period, fixed.period) == (5, 6)
     # base 2 has no such error in this range: compat == corrected whenever no duplicates arise.
     for n in (2, 3, 5, 9, 17, 33, 65):
-        assert (topo.npeer_dynamic_directed_exponential_graph(n, fairscale_compat=True)
-                == dataclasses.replace(topo.npeer_dynamic_directed_exponential_graph(n),
-                                       name="npeer_dynamic_directed_exponential_graph(fairscale_compat)"))
+        assert topo.npeer_dynamic_directed_exponential_graph(n, fairscale_compat=True) == dataclasses.replace(
+            topo.npeer_dynamic_directed_exponential_graph(n),
+            name="npeer_dynamic_directed_exponential_graph(fairscale_compat)",
+        )
 
 
 def test_ring_graph_is_static_ring():
@@ -148,8 +150,10 @@ def _all_topologies():
         ("exp_base3", topo.exponential(10, base=3)),
         ("npeer_k3_n5", topo.npeer_dynamic_directed_exponential_graph(5, peers_per_itr=3)),
         ("npeer_k2_n6", topo.npeer_dynamic_directed_exponential_graph(6, peers_per_itr=2)),
-        ("npeer_k3_n5_compat",
-         topo.npeer_dynamic_directed_exponential_graph(5, peers_per_itr=3, fairscale_compat=True)),
+        (
+            "npeer_k3_n5_compat",
+            topo.npeer_dynamic_directed_exponential_graph(5, peers_per_itr=3, fairscale_compat=True),
+        ),
         ("ddl_odd", topo.dynamic_directed_linear_graph(7, peers_per_itr=2)),
         ("neighbors", topo.from_neighbors([[1, 2, 3], [0], [0, 3], [0, 2]])),
         ("neighbors_directed", topo.from_neighbors([[1, 2], [2], [0, 3], [0]], directed=True)),
@@ -355,7 +359,10 @@ def test_invalid_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="contains itself"):
         topo.npeer_dynamic_directed_exponential_graph(6, peers_per_itr=2, fairscale_compat=True)
     assert _offset_schedule(topo.npeer_dynamic_directed_exponential_graph(6, peers_per_itr=2)) == [
-        [1, 2], [3, 1], [2, 3]]
+        [1, 2],
+        [3, 1],
+        [2, 3],
+    ]
     with pytest.raises(ValueError, match=r"torus\(n=8, rows=3\): rows must divide n; allowed: \[1, 2, 4, 8"):
         topo.torus(8, rows=3)
     with pytest.raises(ValueError, match="cols must divide n"):

@@ -1,5 +1,4 @@
-"""Command line: ``optaxdist bench [options]``, or ``python -m optaxdist.bench [bench] [options]``.
-"""
+"""Command line: ``optaxdist bench [options]``, or ``python -m optaxdist.bench [bench] [options]``."""
 
 from __future__ import annotations
 
@@ -27,36 +26,59 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser(
-        "bench", help="benchmark the registered algorithms",
+        "bench",
+        help="benchmark the registered algorithms",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Train a Flax MLP with N simulated replicas per algorithm and report loss, "
         "accuracy, bytes sent per replica, measured compute and modelled network time.",
     )
-    b.add_argument("--suite", choices=("train", "overhead", "compression-cost"), default="train",
-                   help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd; "
-                   "compression-cost: compression compute per step (one replica) vs PyTorch's "
-                   "powerSGD_hook, with the modelled comm time")
+    b.add_argument(
+        "--suite",
+        choices=("train", "overhead", "compression-cost"),
+        default="train",
+        help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd; "
+        "compression-cost: compression compute per step (one replica) vs PyTorch's "
+        "powerSGD_hook, with the modelled comm time",
+    )
     b.add_argument("--dataset", choices=DATASETS, default="digits")
     b.add_argument("--replicas", type=int, default=8, help="simulated replicas N")
-    b.add_argument("--shards", choices=SHARDINGS, default="iid",
-                   help="iid: random split; skewed: sorted by label, then split")
+    b.add_argument(
+        "--shards",
+        choices=SHARDINGS,
+        default="iid",
+        help="iid: random split; skewed: sorted by label, then split",
+    )
     b.add_argument("--batch-size", type=int, default=32, help="minibatch per replica")
     b.add_argument("--steps", type=int, default=500)
     b.add_argument("--lr", type=float, default=0.05)
-    b.add_argument("--momentum", type=float, default=0.9,
-                   help="of the local optax.sgd (β₁ for adamw)")
-    b.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                   help="the local optimizer every algorithm wraps")
+    b.add_argument("--momentum", type=float, default=0.9, help="of the local optax.sgd (β₁ for adamw)")
+    b.add_argument(
+        "--optimizer",
+        choices=("sgd", "adamw"),
+        default="sgd",
+        help="the local optimizer every algorithm wraps",
+    )
     b.add_argument("--hidden", default="128,128", help="MLP hidden widths")
-    b.add_argument("--algorithms", default=",".join(DEFAULT_ALGORITHMS),
-                   help=f"comma list of: {', '.join(ALGORITHMS)}; or groups: "
-                   f"{', '.join(ALGORITHM_GROUPS)} (compression = allreduce-fp32 + every "
-                   "compressed row)")
-    b.add_argument("--network", choices=tuple(cost.NETWORKS), default="10GbE",
-                   help="link between nodes for the cost model")
-    b.add_argument("--nodes", type=int, default=None,
-                   help="nodes the replicas are spread over (default: one replica per node; "
-                   "1 = all on one node, modelled with nvlink)")
+    b.add_argument(
+        "--algorithms",
+        default=",".join(DEFAULT_ALGORITHMS),
+        help=f"comma list of: {', '.join(ALGORITHMS)}; or groups: "
+        f"{', '.join(ALGORITHM_GROUPS)} (compression = allreduce-fp32 + every "
+        "compressed row)",
+    )
+    b.add_argument(
+        "--network",
+        choices=tuple(cost.NETWORKS),
+        default="10GbE",
+        help="link between nodes for the cost model",
+    )
+    b.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="nodes the replicas are spread over (default: one replica per node; "
+        "1 = all on one node, modelled with nvlink)",
+    )
     b.add_argument("--log-every", type=int, default=25, help="record the loss curve every k steps")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_results", help="directory for JSON and PNG output")
@@ -64,23 +86,41 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     b.add_argument("--list", action="store_true", help="list the algorithms and exit")
     o = b.add_argument_group("overhead suite")
-    o.add_argument("--backend", choices=("simulate", "mesh"), default="simulate",
-                   help="mesh: force --replicas host devices and time on_mesh too")
-    o.add_argument("--sizes", default=None,
-                   help="parameter counts (overhead: 1M,25M; compression-cost: 25M)")
-    o.add_argument("--repeats", type=int, default=None,
-                   help="timed runs per measurement (overhead: 11; compression-cost: 7)")
-    c = b.add_argument_group("compression-cost suite (also uses --sizes, --repeats, --replicas, "
-                             "--network, --nodes, --seed)")
-    c.add_argument("--matrices", type=int, default=5,
-                   help="square float32 matrices (each with a bias vector) making up the model")
+    o.add_argument(
+        "--backend",
+        choices=("simulate", "mesh"),
+        default="simulate",
+        help="mesh: force --replicas host devices and time on_mesh too",
+    )
+    o.add_argument("--sizes", default=None, help="parameter counts (overhead: 1M,25M; compression-cost: 25M)")
+    o.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed runs per measurement (overhead: 11; compression-cost: 7)",
+    )
+    c = b.add_argument_group(
+        "compression-cost suite (also uses --sizes, --repeats, --replicas, --network, --nodes, --seed)"
+    )
+    c.add_argument(
+        "--matrices",
+        type=int,
+        default=5,
+        help="square float32 matrices (each with a bias vector) making up the model",
+    )
     c.add_argument("--warmup", type=int, default=3, help="untimed calls before timing (≥ 1)")
-    c.add_argument("--max-call-s", type=float, default=10.0,
-                   help="a variant whose first call takes longer is reported with that call only")
-    c.add_argument("--no-torch", action="store_true",
-                   help="skip PyTorch's powerSGD_hook even if torch is installed")
-    c.add_argument("--torch-threads", type=int, default=None,
-                   help="torch.set_num_threads (default: os.cpu_count())")
+    c.add_argument(
+        "--max-call-s",
+        type=float,
+        default=10.0,
+        help="a variant whose first call takes longer is reported with that call only",
+    )
+    c.add_argument(
+        "--no-torch", action="store_true", help="skip PyTorch's powerSGD_hook even if torch is installed"
+    )
+    c.add_argument(
+        "--torch-threads", type=int, default=None, help="torch.set_num_threads (default: os.cpu_count())"
+    )
     return parser
 
 
@@ -100,9 +140,16 @@ def _compression_cost(args: argparse.Namespace) -> int:
     records = []
     for size in [parse_size(s) for s in (args.sizes or "25M").split(",") if s.strip()]:
         rec = run_compression_cost(
-            size, matrices=args.matrices, replicas=args.replicas, network=args.network,
-            nodes=args.nodes, warmup=args.warmup, repeats=args.repeats or 7,
-            use_torch=not args.no_torch, torch_threads=args.torch_threads, seed=args.seed,
+            size,
+            matrices=args.matrices,
+            replicas=args.replicas,
+            network=args.network,
+            nodes=args.nodes,
+            warmup=args.warmup,
+            repeats=args.repeats or 7,
+            use_torch=not args.no_torch,
+            torch_threads=args.torch_threads,
+            seed=args.seed,
             max_call_s=args.max_call_s,
             progress=not args.quiet,
         )
@@ -145,8 +192,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         sizes = [parse_size(s) for s in (args.sizes or "1M,25M").split(",") if s.strip()]
         harnesses = ("simulate", "mesh") if args.backend == "mesh" else ("simulate",)
-        record = run_overhead(sizes, replicas=args.replicas, harnesses=harnesses,
-                              repeats=args.repeats or 11, progress=not args.quiet)
+        record = run_overhead(
+            sizes,
+            replicas=args.replicas,
+            harnesses=harnesses,
+            repeats=args.repeats or 11,
+            progress=not args.quiet,
+        )
         from optaxdist.bench.run import environment
 
         record["environment"] = environment()
@@ -163,12 +215,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         cfg = BenchConfig(
-            dataset=args.dataset, replicas=args.replicas, shards=args.shards,
-            batch_size=args.batch_size, steps=args.steps, lr=args.lr, momentum=args.momentum,
+            dataset=args.dataset,
+            replicas=args.replicas,
+            shards=args.shards,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            lr=args.lr,
+            momentum=args.momentum,
             optimizer=args.optimizer,
-            hidden=parse_hidden(args.hidden), algorithms=expand_names(args.algorithms),
-            network=args.network, nodes=args.nodes, log_every=args.log_every, seed=args.seed,
-            out=args.out or None, plots=not args.no_plots, progress=not args.quiet,
+            hidden=parse_hidden(args.hidden),
+            algorithms=expand_names(args.algorithms),
+            network=args.network,
+            nodes=args.nodes,
+            log_every=args.log_every,
+            seed=args.seed,
+            out=args.out or None,
+            plots=not args.no_plots,
+            progress=not args.quiet,
         )
     except ValueError as e:
         print(f"optaxdist bench: error: {e}", file=sys.stderr)

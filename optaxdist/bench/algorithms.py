@@ -32,9 +32,7 @@ class BenchContext(NamedTuple):
     lr: float
 
 
-Factory = Callable[
-    [Communicator, optax.GradientTransformation, BenchContext], optax.GradientTransformation
-]
+Factory = Callable[[Communicator, optax.GradientTransformation, BenchContext], optax.GradientTransformation]
 
 
 class Algorithm(NamedTuple):
@@ -60,9 +58,7 @@ def _allreduce(dtype) -> Factory:
 
 def _compressed(compressor, error_feedback: bool = True, scope: str = "model") -> Factory:
     return lambda comm, local, ctx: optax.chain(
-        optaxdist.compressed_allreduce(
-            compressor, comm=comm, error_feedback=error_feedback, scope=scope
-        ),
+        optaxdist.compressed_allreduce(compressor, comm=comm, error_feedback=error_feedback, scope=scope),
         local,
     )
 
@@ -91,7 +87,8 @@ COMPRESSION_ALGORITHMS: list[Algorithm] = [
     *_with_and_without_ef("randomk-1%", C.random_k(fraction=0.01), "random 1% (shared key)"),
     *_with_and_without_ef("blockk-1%", C.block_k(fraction=0.01), "contiguous 1% block"),
     *_with_and_without_ef(
-        "threshold-1e-3", C.threshold(1e-3, mode="padded", max_fraction=0.01),
+        "threshold-1e-3",
+        C.threshold(1e-3, mode="padded", max_fraction=0.01),
         "|g| ≥ 1e-3, padded all-gather bounded at 1%",
     ),
     *_with_and_without_ef("scaled-sign", C.sign(scaled=True), "EF-signSGD scaled sign, 1 bit"),
@@ -105,13 +102,15 @@ COMPRESSION_ALGORITHMS: list[Algorithm] = [
     ),
     *(
         Algorithm(
-            f"powersgd-r{r}", _powersgd(r),
+            f"powersgd-r{r}",
+            _powersgd(r),
             f"PowerSGD rank {r}, error feedback, warm start, start_iter=0",
         )
         for r in (1, 2, 4)
     ),
     Algorithm(
-        "powersgd-r2-noef", _powersgd(2, error_feedback=False),
+        "powersgd-r2-noef",
+        _powersgd(2, error_feedback=False),
         "PowerSGD rank 2 without error feedback, warm start, start_iter=0",
     ),
 ]
@@ -144,8 +143,13 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
     Algorithm(
         "slowmo-50-sharded",
         lambda comm, local, ctx: optaxdist.slowmo(
-            local, comm=comm, period=50, learning_rate=ctx.lr, momentum=0.5,
-            memory_efficient=True, num_shards=ctx.replicas,
+            local,
+            comm=comm,
+            period=50,
+            learning_rate=ctx.lr,
+            momentum=0.5,
+            memory_efficient=True,
+            num_shards=ctx.replicas,
         ),
         "SlowMo, τ = 50, x0 and u sharded (reduce-scatter + all-gather)",
     ),
@@ -160,16 +164,16 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
     Algorithm(
         "diloco-50-topk10%",
         lambda comm, local, ctx: optaxdist.diloco(
-            local, comm=comm, period=50,
+            local,
+            comm=comm,
+            period=50,
             reducer=optaxdist.compressed_allreduce(C.top_k(fraction=0.1), comm=comm, scope="model"),
         ),
         "DiLoCo, H = 50, pseudo-gradients top-10% with error feedback",
     ),
     Algorithm(
         "streaming-diloco-50",
-        lambda comm, local, ctx: optaxdist.streaming_diloco(
-            local, comm=comm, period=50, num_fragments=2
-        ),
+        lambda comm, local, ctx: optaxdist.streaming_diloco(local, comm=comm, period=50, num_fragments=2),
         "Streaming DiLoCo, H = 50, 2 staggered fragments",
     ),
     Algorithm(
@@ -184,9 +188,7 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
 GOSSIP_ALGORITHMS: list[Algorithm] = [
     Algorithm(
         "dpsgd-ring",
-        lambda comm, local, ctx: optaxdist.decentralized_sgd(
-            local, comm=comm, topology=T.ring(ctx.replicas)
-        ),
+        lambda comm, local, ctx: optaxdist.decentralized_sgd(local, comm=comm, topology=T.ring(ctx.replicas)),
         "D-PSGD on the undirected ring (2 peers per step)",
     ),
     Algorithm(
@@ -206,7 +208,9 @@ GOSSIP_ALGORITHMS: list[Algorithm] = [
     Algorithm(
         "sgp-exp-global-48",
         lambda comm, local, ctx: optaxdist.sgp(
-            local, comm=comm, topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas),
+            local,
+            comm=comm,
+            topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas),
             global_every=48,
         ),
         "SGP with an exact global average every 48 steps",
@@ -214,9 +218,16 @@ GOSSIP_ALGORITHMS: list[Algorithm] = [
     Algorithm(
         "slowmo-48-sgp",
         lambda comm, local, ctx: optaxdist.slowmo(
-            optaxdist.sgp(local, comm=comm, check_start=False,
-                          topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas)),
-            comm=comm, period=48, learning_rate=ctx.lr, momentum=0.5,
+            optaxdist.sgp(
+                local,
+                comm=comm,
+                check_start=False,
+                topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas),
+            ),
+            comm=comm,
+            period=48,
+            learning_rate=ctx.lr,
+            momentum=0.5,
         ),
         "SlowMo (τ = 48, β = 0.5) over SGP",
     ),
@@ -226,8 +237,12 @@ HIERARCHICAL_ALGORITHMS: list[Algorithm] = [
     Algorithm(
         "daso",
         lambda comm, local, ctx: optaxdist.daso(
-            local, local_comm=ctx.hierarchy.local, global_comm=ctx.hierarchy.cross,
-            steps_per_epoch=max(ctx.steps // 10, 1), total_epochs=10, warmup_epochs=1,
+            local,
+            local_comm=ctx.hierarchy.local,
+            global_comm=ctx.hierarchy.cross,
+            steps_per_epoch=max(ctx.steps // 10, 1),
+            total_epochs=10,
+            warmup_epochs=1,
             cooldown_epochs=1,
         ),
         "DASO: 10 epochs of steps/10, warm-up 1, cool-down 1, max_global_skips 8, bf16",
@@ -250,15 +265,9 @@ ALGORITHMS: dict[str, Algorithm] = {
             "one replica, global batch (replicas × batch) from the whole train set; no comm",
             single=True,
         ),
-        Algorithm(
-            "allreduce-fp32", _allreduce(jnp.float32), "gradient all-reduce (mean) in float32"
-        ),
-        Algorithm(
-            "allreduce-bf16", _allreduce(jnp.bfloat16), "gradient all-reduce (mean) in bfloat16"
-        ),
-        Algorithm(
-            "allreduce-fp16", _allreduce(jnp.float16), "gradient all-reduce (mean) in float16"
-        ),
+        Algorithm("allreduce-fp32", _allreduce(jnp.float32), "gradient all-reduce (mean) in float32"),
+        Algorithm("allreduce-bf16", _allreduce(jnp.bfloat16), "gradient all-reduce (mean) in bfloat16"),
+        Algorithm("allreduce-fp16", _allreduce(jnp.float16), "gradient all-reduce (mean) in float16"),
         Algorithm(
             "param-avg",
             lambda comm, local, ctx: optax.chain(local, optaxdist.average_params(comm=comm)),
@@ -272,7 +281,11 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 DEFAULT_ALGORITHMS: tuple[str, ...] = (
-    "single", "allreduce-fp32", "allreduce-bf16", "allreduce-fp16", "param-avg",
+    "single",
+    "allreduce-fp32",
+    "allreduce-bf16",
+    "allreduce-fp16",
+    "param-avg",
 )
 
 
@@ -303,9 +316,7 @@ def expand_names(names: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 OPTIMIZERS = ("sgd", "adamw")
 
 
-def local_optimizer(
-    lr: float, momentum: float = 0.9, optimizer: str = "sgd"
-) -> optax.GradientTransformation:
+def local_optimizer(lr: float, momentum: float = 0.9, optimizer: str = "sgd") -> optax.GradientTransformation:
     """The local optimizer every algorithm wraps: ``optax.sgd`` (no momentum when it is 0), or
     ``optax.adamw`` (β₂ 0.99, weight decay 0.01; ``momentum`` is β₁)."""
     if optimizer == "adamw":

@@ -43,7 +43,11 @@ def load_charlm(seq_len: int = 64, test_fraction: float = 0.1) -> Dataset:
     n_test = max(1, int(round(test_fraction * n)))
     train, test = windows[:-n_test], windows[-n_test:]
     return Dataset(
-        f"charlm[{text_digest(text)}]", train[:, :-1], train[:, 1:], test[:, :-1], test[:, 1:],
+        f"charlm[{text_digest(text)}]",
+        train[:, :-1],
+        train[:, 1:],
+        test[:, :-1],
+        test[:, 1:],
         len(vocab),
     )
 

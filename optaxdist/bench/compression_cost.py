@@ -107,8 +107,13 @@ def _compressed(compressor, error_feedback: bool = True):
 
 def _powersgd(rank: int, batch: bool = True):
     return lambda comm: optaxdist.powersgd(
-        comm=comm, rank=rank, start_iter=0, error_feedback=True, warm_start=True,
-        batch_same_shape=batch, compress_single_replica=True,
+        comm=comm,
+        rank=rank,
+        start_iter=0,
+        error_feedback=True,
+        warm_start=True,
+        batch_same_shape=batch,
+        compress_single_replica=True,
     )
 
 
@@ -203,8 +208,7 @@ class _TorchRunner:
 
     framework = "torch"
 
-    def __init__(self, torch, rank: int, batch: bool, grads: dict[str, np.ndarray],
-                 start_iter: int = 2):
+    def __init__(self, torch, rank: int, batch: bool, grads: dict[str, np.ndarray], start_iter: int = 2):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
         self.torch, self.ps = torch, ps
@@ -214,8 +218,12 @@ class _TorchRunner:
         self.bucket = _Bucket(torch, shapes)
         self.flat = torch.from_numpy(np.concatenate([v.reshape(-1) for v in grads.values()]))
         self.state = ps.PowerSGDState(
-            process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter,
-            min_compression_rate=2, use_error_feedback=True, warm_start=True,
+            process_group=None,
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=start_iter,
+            min_compression_rate=2,
+            use_error_feedback=True,
+            warm_start=True,
             batch_tensors_with_same_shape=batch,
         )
         self.start_iter = start_iter
@@ -282,9 +290,7 @@ def torch_world_of_one(threads: int):
     torch.set_num_threads(threads)
     created = False
     if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-        )
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         created = True
     try:
         yield torch
@@ -293,9 +299,7 @@ def torch_world_of_one(threads: int):
             dist.destroy_process_group()
 
 
-def _run_group(
-    runners: Sequence[Any], warmup: int, repeats: int, progress: bool, max_call_s: float
-) -> None:
+def _run_group(runners: Sequence[Any], warmup: int, repeats: int, progress: bool, max_call_s: float) -> None:
     """Warm up each runner, then time them interleaved. A runner whose first call takes longer
     than ``max_call_s`` is not called again: that one call is its only (untimed-warm-up) sample."""
     live = []
@@ -313,8 +317,11 @@ def _run_group(
         for r in live:
             r.call()
     if progress:
-        print("  " + ", ".join(f"{r.name} {statistics.median(r.times) * 1e3:.1f} ms"
-                               for r in runners), file=sys.stderr, flush=True)
+        print(
+            "  " + ", ".join(f"{r.name} {statistics.median(r.times) * 1e3:.1f} ms" for r in runners),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _row(r: Any, n_params: int, replicas: int, link: cost.Network) -> dict[str, Any]:
@@ -338,11 +345,21 @@ def _row(r: Any, n_params: int, replicas: int, link: cost.Network) -> dict[str, 
 
 
 def run_compression_cost(
-    n_params: int = 25_000_000, *, matrices: int = 5, replicas: int = 8,
-    network: str = "10GbE", nodes: int | None = None, warmup: int = 3, repeats: int = 7,
-    use_torch: bool = True, torch_threads: int | None = None, seed: int = 0,
-    transforms: Sequence[str] | None = None, ranks: Sequence[int] = RANKS,
-    max_call_s: float = 10.0, progress: bool = True,
+    n_params: int = 25_000_000,
+    *,
+    matrices: int = 5,
+    replicas: int = 8,
+    network: str = "10GbE",
+    nodes: int | None = None,
+    warmup: int = 3,
+    repeats: int = 7,
+    use_torch: bool = True,
+    torch_threads: int | None = None,
+    seed: int = 0,
+    transforms: Sequence[str] | None = None,
+    ranks: Sequence[int] = RANKS,
+    max_call_s: float = 10.0,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Time every transform of ``TRANSFORMS`` (and torch's hook) on one model; print the tables.
 
@@ -366,8 +383,10 @@ def run_compression_cost(
         if progress:
             print(msg, file=sys.stderr, flush=True)
 
-    log(f"[compression-cost] {n_actual:,} parameters: {matrices} × {shapes['w0']} + "
-        f"{matrices} × {shapes['b0']}; warm-up {warmup}, {repeats} timed calls each")
+    log(
+        f"[compression-cost] {n_actual:,} parameters: {matrices} × {shapes['w0']} + "
+        f"{matrices} × {shapes['b0']}; warm-up {warmup}, {repeats} timed calls each"
+    )
     results: list[dict[str, Any]] = []
     torch_info: dict[str, Any] = {"available": False}
     group1 = [n for n in TRANSFORMS if not n.startswith("powersgd")]
@@ -387,24 +406,29 @@ def run_compression_cost(
 
     with torch_world_of_one(torch_threads) if use_torch else contextlib.nullcontext() as torch:
         if torch is not None:
-            torch_info = {"available": True, "version": torch.__version__,
-                          "threads": torch.get_num_threads(),
-                          "interop_threads": torch.get_num_interop_threads()}
+            torch_info = {
+                "available": True,
+                "version": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "interop_threads": torch.get_num_interop_threads(),
+            }
         elif use_torch:
-            log("[compression-cost] torch is not installed: skipping PyTorch's powerSGD_hook "
-                "(pip install 'optaxdist[torch]')")
+            log(
+                "[compression-cost] torch is not installed: skipping PyTorch's powerSGD_hook "
+                "(pip install 'optaxdist[torch]')"
+            )
         else:
             log("[compression-cost] torch comparison disabled (--no-torch)")
         for rank in ranks:
             log(f"[compression-cost] PowerSGD rank {rank} ...")
-            runners = [_JaxRunner(f"powersgd-r{rank}", grads),
-                       _JaxRunner(f"powersgd-r{rank}-unbatched", grads),
-                       _JaxRunner(f"powersgd-r{rank}", grads, donate=False)]
+            runners = [
+                _JaxRunner(f"powersgd-r{rank}", grads),
+                _JaxRunner(f"powersgd-r{rank}-unbatched", grads),
+                _JaxRunner(f"powersgd-r{rank}", grads, donate=False),
+            ]
             if torch is not None:
-                runners += [_TorchRunner(torch, rank, False, grads),
-                            _TorchRunner(torch, rank, True, grads)]
-            _run_group(runners, warmup + (2 if torch is not None else 0), repeats, progress,
-                       max_call_s)
+                runners += [_TorchRunner(torch, rank, False, grads), _TorchRunner(torch, rank, True, grads)]
+            _run_group(runners, warmup + (2 if torch is not None else 0), repeats, progress, max_call_s)
             results += [_row(r, n_actual, replicas, link) for r in runners]
             del runners
 
@@ -412,30 +436,44 @@ def run_compression_cost(
     side_by_side = []
     for rank in ranks:
         ours = by_name[f"powersgd-r{rank}"]
-        row = {"rank": rank, "ours_s": ours["compute_s"],
-               "ours_unbatched_s": by_name[f"powersgd-r{rank}-unbatched"]["compute_s"],
-               "ours_not_donated_s":
-                   by_name[f"powersgd-r{rank} (state not donated)"]["compute_s"],
-               "ours_bytes_per_step": ours["bytes_per_step"]}
+        row = {
+            "rank": rank,
+            "ours_s": ours["compute_s"],
+            "ours_unbatched_s": by_name[f"powersgd-r{rank}-unbatched"]["compute_s"],
+            "ours_not_donated_s": by_name[f"powersgd-r{rank} (state not donated)"]["compute_s"],
+            "ours_bytes_per_step": ours["bytes_per_step"],
+        }
         t = by_name.get(f"torch powerSGD_hook r{rank}")
         if t is not None:
             tb = by_name[f"torch powerSGD_hook r{rank} (batched)"]
-            row.update(torch_s=t["compute_s"], torch_batched_s=tb["compute_s"],
-                       torch_bytes_per_step=t["bytes_per_step"],
-                       same_bytes=t["bytes_per_step"] == ours["bytes_per_step"],
-                       ratio=ours["compute_s"] / min(t["compute_s"], tb["compute_s"]))
+            row.update(
+                torch_s=t["compute_s"],
+                torch_batched_s=tb["compute_s"],
+                torch_bytes_per_step=t["bytes_per_step"],
+                same_bytes=t["bytes_per_step"] == ours["bytes_per_step"],
+                ratio=ours["compute_s"] / min(t["compute_s"], tb["compute_s"]),
+            )
         side_by_side.append(row)
 
     record = {
         "suite": "compression-cost",
         "model": {"parameters": n_actual, "shapes": {k: list(v) for k, v in shapes.items()}},
-        "warmup": warmup, "repeats": repeats, "seed": seed,
-        "threads": {"cpu_count": os.cpu_count(), "xla": "XLA:CPU's own intra-op pool "
-                    "(one thread per core by default)", "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-                    "torch": torch_info},
-        "cost_model": {"network": link.name, "bandwidth_Bps": link.bandwidth,
-                       "latency_s": link.latency, "replicas": replicas,
-                       "nodes": replicas if nodes is None else nodes},
+        "warmup": warmup,
+        "repeats": repeats,
+        "seed": seed,
+        "threads": {
+            "cpu_count": os.cpu_count(),
+            "xla": "XLA:CPU's own intra-op pool (one thread per core by default)",
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+            "torch": torch_info,
+        },
+        "cost_model": {
+            "network": link.name,
+            "bandwidth_Bps": link.bandwidth,
+            "latency_s": link.latency,
+            "replicas": replicas,
+            "nodes": replicas if nodes is None else nodes,
+        },
         "results": results,
         "powersgd": side_by_side,
     }
@@ -447,9 +485,11 @@ def format_compression_cost(record: dict[str, Any]) -> str:
     """The two Markdown tables of a compression-cost record."""
     cm = record["cost_model"]
     net = f"{cm['network']}, {cm['replicas']} replicas on {cm['nodes']} nodes"
-    out = [f"| transform | bytes sent/step/replica | vs fp32 AR | compute ms/step (median) | "
-           f"compute ms (min) | comm ms/step (model, {net}) | compute + comm ms |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        f"| transform | bytes sent/step/replica | vs fp32 AR | compute ms/step (median) | "
+        f"compute ms (min) | comm ms/step (model, {net}) | compute + comm ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in record["results"]:
         red = r["reduction_vs_fp32"]
         out.append(
@@ -459,16 +499,24 @@ def format_compression_cost(record: dict[str, Any]) -> str:
             f"{r['compute_min_s'] * 1e3:.1f} | {r['comm_s_model'] * 1e3:.3f} | "
             f"{(r['compute_s'] + r['comm_s_model']) * 1e3:.1f} |"
         )
-    out += ["", "| rank | optaxdist ms (batch_same_shape=True) | optaxdist ms (False) | "
-            "optaxdist ms (True, state not donated) | "
-            "torch hook ms (batch_tensors_with_same_shape=False) | torch hook ms (True) | "
-            "optaxdist / best torch | same bytes |", "|---|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "| rank | optaxdist ms (batch_same_shape=True) | optaxdist ms (False) | "
+        "optaxdist ms (True, state not donated) | "
+        "torch hook ms (batch_tensors_with_same_shape=False) | torch hook ms (True) | "
+        "optaxdist / best torch | same bytes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in record["powersgd"]:
         if "torch_s" in s:
-            torch_cells = (f"{s['torch_s'] * 1e3:.1f} | {s['torch_batched_s'] * 1e3:.1f} | "
-                           f"{s['ratio']:.2f} | {'yes' if s['same_bytes'] else 'NO'}")
+            torch_cells = (
+                f"{s['torch_s'] * 1e3:.1f} | {s['torch_batched_s'] * 1e3:.1f} | "
+                f"{s['ratio']:.2f} | {'yes' if s['same_bytes'] else 'NO'}"
+            )
         else:
             torch_cells = "— | — | — | —"
-        out.append(f"| {s['rank']} | {s['ours_s'] * 1e3:.1f} | {s['ours_unbatched_s'] * 1e3:.1f} | "
-                   f"{s['ours_not_donated_s'] * 1e3:.1f} | {torch_cells} |")
+        out.append(
+            f"| {s['rank']} | {s['ours_s'] * 1e3:.1f} | {s['ours_unbatched_s'] * 1e3:.1f} | "
+            f"{s['ours_not_donated_s'] * 1e3:.1f} | {torch_cells} |"
+        )
     return "\n".join(out)

@@ -67,9 +67,7 @@ def _steps(lr: float) -> tuple[Callable, Callable, Any, Any]:
 def hlo_summary(compiled: Any) -> dict[str, Any]:
     """Instruction counts per opcode of a compiled computation (all computations of the module)."""
     text = compiled.as_text()
-    ops = collections.Counter(
-        m.group(1) for m in re.finditer(r"=\s*[^\s]+\s+([a-z][a-z0-9\-]*)\(", text)
-    )
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"=\s*[^\s]+\s+([a-z][a-z0-9\-]*)\(", text))
     return {"instructions": sum(ops.values()), "opcodes": dict(sorted(ops.items()))}
 
 
@@ -86,26 +84,29 @@ def _time(fns: Sequence[Callable[[], Any]], repeats: int) -> list[list[float]]:
 
 
 def measure(
-    n_params: int, *, replicas: int = 8, harness: str = "simulate", repeats: int = 7,
-    lr: float = 0.01, seed: int = 0,
+    n_params: int,
+    *,
+    replicas: int = 8,
+    harness: str = "simulate",
+    repeats: int = 7,
+    lr: float = 0.01,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Median step time of ours vs hand-written, one size, one harness (``simulate``/``mesh``)."""
     ours, hand, ours_tx, hand_tx = _steps(lr)
     params = optaxdist.replicate(make_params(n_params), replicas)
     keys = jax.random.split(jax.random.key(seed), len(params))
-    grads = {k: jax.random.normal(kk, v.shape, v.dtype)
-             for (k, v), kk in zip(params.items(), keys, strict=True)}
+    grads = {
+        k: jax.random.normal(kk, v.shape, v.dtype) for (k, v), kk in zip(params.items(), keys, strict=True)
+    }
     ours_state = jax.vmap(ours_tx.init)(params)
     hand_state = jax.vmap(hand_tx.init)(params)
     if harness == "simulate":
         wrap = optaxdist.simulate
     elif harness == "mesh":
         if len(jax.devices()) < replicas:
-            raise RuntimeError(
-                f"the mesh harness needs {replicas} devices, have {len(jax.devices())}"
-            )
-        mesh = jax.make_mesh((replicas,), (optaxdist.REPLICA_AXIS,),
-                             devices=jax.devices()[:replicas])
+            raise RuntimeError(f"the mesh harness needs {replicas} devices, have {len(jax.devices())}")
+        mesh = jax.make_mesh((replicas,), (optaxdist.REPLICA_AXIS,), devices=jax.devices()[:replicas])
         wrap = lambda f: optaxdist.on_mesh(f, mesh)
     else:
         raise ValueError(f"harness={harness!r}; allowed: 'simulate', 'mesh'")
@@ -122,19 +123,29 @@ def measure(
     ops = set(h_ours["opcodes"]) | set(h_hand["opcodes"])
     extra = {k: h_ours["opcodes"].get(k, 0) - h_hand["opcodes"].get(k, 0) for k in sorted(ops)}
     return {
-        "harness": harness, "replicas": replicas, "parameters": n_actual, "repeats": repeats,
-        "ours_s": m_ours, "hand_s": m_hand, "ratio": m_ours / m_hand,
-        "ours_min_s": min(t_ours), "hand_min_s": min(t_hand),
+        "harness": harness,
+        "replicas": replicas,
+        "parameters": n_actual,
+        "repeats": repeats,
+        "ours_s": m_ours,
+        "hand_s": m_hand,
+        "ratio": m_ours / m_hand,
+        "ours_min_s": min(t_ours),
+        "hand_min_s": min(t_hand),
         "ratio_min": min(t_ours) / min(t_hand),
-        "ours_all_s": t_ours, "hand_all_s": t_hand,
-        "hlo": {"ours": h_ours, "hand": h_hand,
-                "extra_in_ours": {k: v for k, v in extra.items() if v}},
+        "ours_all_s": t_ours,
+        "hand_all_s": t_hand,
+        "hlo": {"ours": h_ours, "hand": h_hand, "extra_in_ours": {k: v for k, v in extra.items() if v}},
     }
 
 
 def run_overhead(
-    sizes: Sequence[int], *, replicas: int = 8, harnesses: Sequence[str] = ("simulate",),
-    repeats: int = 7, progress: bool = True,
+    sizes: Sequence[int],
+    *,
+    replicas: int = 8,
+    harnesses: Sequence[str] = ("simulate",),
+    repeats: int = 7,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """``measure`` every size on every harness; print a table and return the JSON record."""
     rows = []
@@ -150,9 +161,11 @@ def run_overhead(
 
 def format_overhead(record: dict[str, Any]) -> str:
     """Markdown table of an overhead record."""
-    out = ["| harness | parameters | allreduce+sgd ms (median) | pmean+sgd ms (median) | "
-           "ratio (medians) | ratio (minimums) | HLO instructions ours / hand |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        "| harness | parameters | allreduce+sgd ms (median) | pmean+sgd ms (median) | "
+        "ratio (medians) | ratio (minimums) | HLO instructions ours / hand |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in record["results"]:
         out.append(
             f"| {r['harness']} | {r['parameters']:,} | {r['ours_s'] * 1e3:.3f} | "

@@ -21,12 +21,13 @@ def plot_curves(record: dict[str, Any], out: str, tag: str) -> list[str]:
     import matplotlib.pyplot as plt
 
     cm = record["cost_model"]
-    title = (f"{record['dataset']['name']}, {record['config']['replicas']} replicas, "
-             f"{record['config']['shards']} shards")
+    title = (
+        f"{record['dataset']['name']}, {record['config']['replicas']} replicas, "
+        f"{record['config']['shards']} shards"
+    )
     figures = {
         "loss_vs_step": ("step", lambda r: r["curve"]["step"]),
-        "loss_vs_bytes": ("MB sent per replica",
-                          lambda r: [b / 1e6 for b in r["curve"]["bytes"]]),
+        "loss_vs_bytes": ("MB sent per replica", lambda r: [b / 1e6 for b in r["curve"]["bytes"]]),
         "loss_vs_modelled_time": (
             f"modelled time (s) on {cm['network']}, {cm['nodes']} nodes",
             lambda r: [s * r["modelled_s_per_step"] for s in r["curve"]["step"]],
@@ -38,9 +39,15 @@ def plot_curves(record: dict[str, Any], out: str, tag: str) -> list[str]:
         for i, r in enumerate(record["results"]):
             if name == "loss_vs_bytes" and not r["bytes_per_replica"]:
                 continue
-            ax.plot(xs(r), r["curve"]["train_loss"], label=r["algorithm"],
-                    linestyle=_STYLES[i % len(_STYLES)], marker=_MARKERS[i % len(_MARKERS)],
-                    markersize=3, alpha=0.85)
+            ax.plot(
+                xs(r),
+                r["curve"]["train_loss"],
+                label=r["algorithm"],
+                linestyle=_STYLES[i % len(_STYLES)],
+                marker=_MARKERS[i % len(_MARKERS)],
+                markersize=3,
+                alpha=0.85,
+            )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("train loss (whole train set)")
         ax.set_yscale("log")

@@ -94,9 +94,7 @@ def _log(msg: str, enabled: bool = True) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def run_algorithm(
-    cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
-) -> dict[str, Any]:
+def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any) -> dict[str, Any]:
     """Train ``algo`` for ``cfg.steps`` steps from ``params0`` and return its result record."""
     n = 1 if algo.single else cfg.replicas
     batch = cfg.batch_size * cfg.replicas if algo.single else cfg.batch_size
@@ -152,15 +150,18 @@ def run_algorithm(
     compile_s = time.perf_counter() - t0
 
     loss0, acc0 = evaluate(params)
-    curve = {"step": [0], "train_loss": [float(loss0)], "test_accuracy": [float(acc0)],
-             "bytes": [0], "minibatch_loss": [None]}
+    curve = {
+        "step": [0],
+        "train_loss": [float(loss0)],
+        "test_accuracy": [float(acc0)],
+        "bytes": [0],
+        "minibatch_loss": [None],
+    }
     step, per_step_s, last_report = 0, [], 0
     while step < cfg.steps:
         count = min(cfg.log_every, cfg.steps - step)
         t = time.perf_counter()
-        params, opt_state, mb_loss = compiled(
-            params, opt_state, xs, ys, key, np.int32(step), np.int32(count)
-        )
+        params, opt_state, mb_loss = compiled(params, opt_state, xs, ys, key, np.int32(step), np.int32(count))
         jax.block_until_ready((params, opt_state, mb_loss))
         per_step_s.append((time.perf_counter() - t) / count)
         step += count
@@ -172,13 +173,14 @@ def run_algorithm(
         curve["minibatch_loss"].append(float(mb_loss))
         if step - last_report >= max(cfg.steps // 4, 1) or step == cfg.steps:
             last_report = step
-            _log(f"  {algo.name:<16} step {step:>5}/{cfg.steps}  train loss {float(loss):.4f}  "
-                 f"test acc {float(acc):.4f}", cfg.progress)
+            _log(
+                f"  {algo.name:<16} step {step:>5}/{cfg.steps}  train loss {float(loss):.4f}  "
+                f"test acc {float(acc):.4f}",
+                cfg.progress,
+            )
 
     stats = optaxdist.comm_stats(opt_state)
-    by_kind = {
-        k: {"collectives": t.collectives, "bytes": t.bytes} for k, t in stats.by_kind.items()
-    }
+    by_kind = {k: {"collectives": t.collectives, "bytes": t.bytes} for k, t in stats.by_kind.items()}
     fp32_bytes = optaxdist.payload_bytes(params0, jnp.float32) * cfg.steps
     compute_s = statistics.median(per_step_s) / n
     totals = {k: (t.collectives, t.bytes) for k, t in stats.by_kind.items()}
@@ -241,9 +243,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     params0 = model.init(jax.random.key(cfg.seed), jnp.asarray(data.x_train[:1]))["params"]
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
     link = cost.link_for(cfg.network, cfg.num_nodes)
-    _log(f"optaxdist bench: {cfg.dataset} ({len(data.y_train)} train / {len(data.y_test)} test), "
-         f"{type(model).__name__} ({n_params} params), {cfg.replicas} replicas, {cfg.shards} "
-         f"shards, batch {cfg.batch_size}/replica, {cfg.steps} steps", cfg.progress)
+    _log(
+        f"optaxdist bench: {cfg.dataset} ({len(data.y_train)} train / {len(data.y_test)} test), "
+        f"{type(model).__name__} ({n_params} params), {cfg.replicas} replicas, {cfg.shards} "
+        f"shards, batch {cfg.batch_size}/replica, {cfg.steps} steps",
+        cfg.progress,
+    )
     results = []
     for algo in get_algorithms(list(cfg.algorithms)):
         _log(f"[{algo.name}] compiling and training ...", cfg.progress)
@@ -251,13 +256,26 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     record = {
         "config": dataclasses.asdict(cfg),
         "environment": environment(),
-        "dataset": {"name": data.name, "train": len(data.y_train), "test": len(data.y_test),
-                    "features": int(data.x_train.shape[1]), "classes": data.num_classes},
-        "model": {"kind": type(model).__name__, "hidden": list(cfg.hidden), "parameters": n_params,
-                  "param_bytes_fp32": optaxdist.payload_bytes(params0, jnp.float32)},
-        "cost_model": {"network": link.name, "bandwidth_Bps": link.bandwidth,
-                       "latency_s": link.latency, "nodes": cfg.num_nodes,
-                       "requested_network": cfg.network},
+        "dataset": {
+            "name": data.name,
+            "train": len(data.y_train),
+            "test": len(data.y_test),
+            "features": int(data.x_train.shape[1]),
+            "classes": data.num_classes,
+        },
+        "model": {
+            "kind": type(model).__name__,
+            "hidden": list(cfg.hidden),
+            "parameters": n_params,
+            "param_bytes_fp32": optaxdist.payload_bytes(params0, jnp.float32),
+        },
+        "cost_model": {
+            "network": link.name,
+            "bandwidth_Bps": link.bandwidth,
+            "latency_s": link.latency,
+            "nodes": cfg.num_nodes,
+            "requested_network": cfg.network,
+        },
         "results": results,
     }
     record["wall_s"] = time.perf_counter() - t_start
@@ -290,22 +308,37 @@ def format_table(record: dict[str, Any]) -> str:
     """A Markdown table of ``record["results"]`` (also readable in a terminal)."""
     cm = record["cost_model"]
     net = f"{cm['network']}, {cm['nodes']} node{'s' if cm['nodes'] > 1 else ''}"
-    header = ["algorithm", "train loss", "test acc", "steps", "MB sent/replica",
-              "inter-node MB", "vs fp32 AR",
-              "compute ms/step (1 replica, est.)", f"comm ms/step (model, {net})",
-              "modelled ms/step"]
+    header = [
+        "algorithm",
+        "train loss",
+        "test acc",
+        "steps",
+        "MB sent/replica",
+        "inter-node MB",
+        "vs fp32 AR",
+        "compute ms/step (1 replica, est.)",
+        f"comm ms/step (model, {net})",
+        "modelled ms/step",
+    ]
     rows = []
     for r in record["results"]:
         red = r["reduction_vs_fp32"]
-        rows.append([
-            r["algorithm"], f"{r['final_train_loss']:.4f}", f"{r['test_accuracy']:.4f}",
-            str(r["steps"]), _fmt_bytes(r["bytes_per_replica"]),
-            _fmt_bytes(r.get("inter_node_bytes_per_replica", r["bytes_per_replica"])),
-            "—" if red is None else f"{red:.2f}×",
-            f"{r['compute_s_per_step'] * 1e3:.3f}", f"{r['comm_s_per_step_model'] * 1e3:.3f}",
-            f"{r['modelled_s_per_step'] * 1e3:.3f}",
-        ])
+        rows.append(
+            [
+                r["algorithm"],
+                f"{r['final_train_loss']:.4f}",
+                f"{r['test_accuracy']:.4f}",
+                str(r["steps"]),
+                _fmt_bytes(r["bytes_per_replica"]),
+                _fmt_bytes(r.get("inter_node_bytes_per_replica", r["bytes_per_replica"])),
+                "—" if red is None else f"{red:.2f}×",
+                f"{r['compute_s_per_step'] * 1e3:.3f}",
+                f"{r['comm_s_per_step_model'] * 1e3:.3f}",
+                f"{r['modelled_s_per_step'] * 1e3:.3f}",
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+
     def line(cells: list[str]) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
 
@@ -326,5 +359,3 @@ def as_tuple(names: str | Sequence[str]) -> tuple[str, ...]:
     if isinstance(names, str):
         return tuple(s.strip() for s in names.split(",") if s.strip())
     return tuple(names)
-
-

@@ -33,9 +33,7 @@ class AxisComm(Communicator):
     def __post_init__(self):
         names = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
         if not names or not all(isinstance(n, str) and n for n in names):
-            raise ValueError(
-                f"axis_name={self.axis_name!r} must be a non-empty string or a tuple of them"
-            )
+            raise ValueError(f"axis_name={self.axis_name!r} must be a non-empty string or a tuple of them")
 
     @property
     def axes(self) -> tuple[str, ...]:

@@ -50,9 +50,7 @@ def axis_hierarchy(num_nodes: int, local_size: int) -> Hierarchy:
     )
 
 
-def mesh_hierarchy(
-    num_nodes: int, local_size: int, *, devices: list[jax.Device] | None = None
-) -> Hierarchy:
+def mesh_hierarchy(num_nodes: int, local_size: int, *, devices: list[jax.Device] | None = None) -> Hierarchy:
     """A ``('node', 'local')`` device mesh of shape ``(num_nodes, local_size)`` and its communicators.
 
     With ``jax.distributed`` and the default ``devices`` (all global devices, host-major), each host
@@ -66,7 +64,9 @@ def mesh_hierarchy(
             f"({len(devices)})"
         )
     mesh = jax.make_mesh(
-        (num_nodes, local_size), (NODE_AXIS, LOCAL_AXIS), devices=devices,
+        (num_nodes, local_size),
+        (NODE_AXIS, LOCAL_AXIS),
+        devices=devices,
         axis_types=(jax.sharding.AxisType.Auto,) * 2,
     )
     return axis_hierarchy(num_nodes, local_size)._replace(mesh=mesh)

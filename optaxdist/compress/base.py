@@ -72,6 +72,4 @@ def check_fraction_or_count(fraction: float | None, count: int | None) -> None:
 
 def scatter(indices: jax.Array, values: jax.Array, size: int) -> jax.Array:
     """Dense float32 vector with ``values`` added at ``indices`` (repeated indices add up)."""
-    return jnp.zeros((size,), jnp.float32).at[indices.reshape(-1)].add(
-        values.reshape(-1).astype(jnp.float32)
-    )
+    return jnp.zeros((size,), jnp.float32).at[indices.reshape(-1)].add(values.reshape(-1).astype(jnp.float32))

@@ -34,9 +34,7 @@ def initialize_multihost(
     )
 
 
-def global_replica_array(
-    local_rows: Any, mesh: Mesh, *, axis_name: str | Sequence[str] | None = None
-) -> Any:
+def global_replica_array(local_rows: Any, mesh: Mesh, *, axis_name: str | Sequence[str] | None = None) -> Any:
     """Build global stacked arrays from this process's rows (those of its addressable devices).
 
     ``local_rows`` holds ``jax.local_device_count()`` rows per leaf, for the replicas whose devices
@@ -44,6 +42,4 @@ def global_replica_array(
     """
     names = mesh.axis_names if axis_name is None else axis_name
     sharding = NamedSharding(mesh, P(tuple(names) if not isinstance(names, str) else names))
-    return jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_rows
-    )
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_rows)

@@ -1,8 +1,8 @@
 """Print the topology table (stochasticity, spectral gaps) and optionally draw every topology.
 
-    python -m optaxdist.topology                      # the table for n = 8 (docs/topology.md)
-    python -m optaxdist.topology --n 16
-    python -m optaxdist.topology --draw docs/img/topology
+python -m optaxdist.topology                      # the table for n = 8 (docs/topology.md)
+python -m optaxdist.topology --n 16
+python -m optaxdist.topology --draw docs/img/topology
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def catalog(n: int = 8) -> dict[str, Topology]:
         out[label] = make(n)
         out[label + "_compat"] = make(n, fairscale_compat=True)
     out["npeer_dynamic_directed_exponential_graph_k2"] = g.npeer_dynamic_directed_exponential_graph(
-        n, peers_per_itr=2)
+        n, peers_per_itr=2
+    )
     return out
 
 
@@ -57,13 +58,17 @@ def table(n: int = 8) -> str:
             f"| `{t.name}` | {t.period} | {','.join(map(str, slots))} | {yes[t.is_row_stochastic()]} "
             f"| {yes[t.is_column_stochastic()]} | {yes[t.is_doubly_stochastic()]} "
             f"| {yes[t.is_regular()]} | {t.spectral_gap():.4f} "
-            f"| {t.spectral_gap(mode='per_round'):.4f} | {t.spectral_gap(mode='expected'):.4f} |")
+            f"| {t.spectral_gap(mode='per_round'):.4f} | {t.spectral_gap(mode='expected'):.4f} |"
+        )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m optaxdist.topology", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m optaxdist.topology",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--n", type=int, default=8, help="number of nodes (even; default 8)")
     p.add_argument("--draw", metavar="DIR", help="write <label>.png for every topology into DIR")
     args = p.parse_args(argv)
@@ -74,8 +79,11 @@ def main(argv: list[str] | None = None) -> None:
             draw(t, os.path.join(args.draw, f"{label}.png"))
         sgp = g.npeer_dynamic_directed_exponential_graph(args.n)
         for r in range(1, sgp.period):
-            draw(sgp, os.path.join(args.draw, f"npeer_dynamic_directed_exponential_graph_round{r}.png"),
-                 round=r)
+            draw(
+                sgp,
+                os.path.join(args.draw, f"npeer_dynamic_directed_exponential_graph_round{r}.png"),
+                round=r,
+            )
 
 
 if __name__ == "__main__":

@@ -74,9 +74,7 @@ class Round:
     self_weights: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        perms = tuple(
-            tuple((_as_int(s, "src"), _as_int(d, "dst")) for s, d in perm) for perm in self.perms
-        )
+        perms = tuple(tuple((_as_int(s, "src"), _as_int(d, "dst")) for s, d in perm) for perm in self.perms)
         weights = tuple(tuple(float(w) for w in ws) for ws in self.weights)
         object.__setattr__(self, "perms", perms)
         object.__setattr__(self, "weights", weights)
@@ -139,10 +137,12 @@ class Topology:
                     if src == dst:
                         raise ValueError(
                             f"round {r} slot {s}: self pair {(src, dst)}; a node's own value enters "
-                            "through self_weights")
+                            "through self_weights"
+                        )
                 if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
                     raise ValueError(
-                        f"round {r} slot {s}: {perm} must send from and to each node at most once")
+                        f"round {r} slot {s}: {perm} must send from and to each node at most once"
+                    )
                 if any(not math.isfinite(w) or w < 0 for w in ws):
                     raise ValueError(f"round {r} slot {s}: weights {ws} must be finite and >= 0")
             if any(not math.isfinite(w) or w < 0 for w in rnd.self_weights):
@@ -243,13 +243,15 @@ class Topology:
         """``W 1 = 1`` for the round (``None``: for every round of the period)."""
         return all(
             np.allclose(self.mixing_matrix(t).sum(axis=1), 1.0, rtol=0, atol=atol)
-            for t in self._rounds(round))
+            for t in self._rounds(round)
+        )
 
     def is_column_stochastic(self, round: int | None = None, *, atol: float = 1e-12) -> bool:
         """``1ᵀ W = 1ᵀ`` for the round (``None``: for every round of the period)."""
         return all(
             np.allclose(self.mixing_matrix(t).sum(axis=0), 1.0, rtol=0, atol=atol)
-            for t in self._rounds(round))
+            for t in self._rounds(round)
+        )
 
     def is_doubly_stochastic(self, round: int | None = None, *, atol: float = 1e-12) -> bool:
         """Row- and column-stochastic (``None``: every round). Then gossip preserves the average
@@ -380,10 +382,10 @@ class Topology:
                 raise ValueError(
                     f"metropolis() needs undirected rounds; round {t} of {self.name!r} has "
                     f"{c[i, j]} edge(s) {j} -> {i} but {c[j, i]} edge(s) {i} -> {j}. "
-                    "For a directed graph use column-stochastic (push-sum) weights instead.")
+                    "For a directed graph use column-stochastic (push-sum) weights instead."
+                )
             deg = c.sum(axis=1)
-            weights = tuple(
-                tuple(1.0 / (1.0 + max(deg[s], deg[d])) for s, d in perm) for perm in rnd.perms)
+            weights = tuple(tuple(1.0 / (1.0 + max(deg[s], deg[d])) for s, d in perm) for perm in rnd.perms)
             received = np.zeros(self.n)
             for perm, ws in zip(rnd.perms, weights):
                 for (_, d), w in zip(perm, ws):

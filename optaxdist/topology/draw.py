@@ -15,8 +15,18 @@ from optaxdist.topology.base import Topology
 
 __all__ = ["draw"]
 
-_SLOT_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+_SLOT_COLORS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+    "tab:gray",
+)
 
 
 def draw(topology: Topology, path: str | os.PathLike, round: int = 0, *, dpi: int = 110) -> None:
@@ -53,8 +63,17 @@ def draw(topology: Topology, path: str | os.PathLike, round: int = 0, *, dpi: in
             m = multiplicity.get((src, dst), 0)
             multiplicity[(src, dst)] = m + 1
             arrow = FancyArrowPatch(
-                pos[src], pos[dst], arrowstyle="-|>", mutation_scale=12, color=color, lw=1.2,
-                connectionstyle=f"arc3,rad={0.12 + 0.18 * m}", shrinkA=14, shrinkB=14, alpha=0.85)
+                pos[src],
+                pos[dst],
+                arrowstyle="-|>",
+                mutation_scale=12,
+                color=color,
+                lw=1.2,
+                connectionstyle=f"arc3,rad={0.12 + 0.18 * m}",
+                shrinkA=14,
+                shrinkB=14,
+                alpha=0.85,
+            )
             ax_g.add_patch(arrow)
     for i, (x, y) in enumerate(pos):
         ax_g.add_patch(_circle(x, y, radius))
@@ -64,14 +83,25 @@ def draw(topology: Topology, path: str | os.PathLike, round: int = 0, *, dpi: in
     ax_g.set_aspect("equal")
     ax_g.axis("off")
     slots = ", ".join(f"slot {s}" for s in range(rnd.num_slots)) if rnd.num_slots <= 6 else ""
-    ax_g.set_title(f"round {round % topology.period} of {topology.period}"
-                   + (f"  ({rnd.num_slots} slots)" if rnd.num_slots else ""), fontsize=10)
+    ax_g.set_title(
+        f"round {round % topology.period} of {topology.period}"
+        + (f"  ({rnd.num_slots} slots)" if rnd.num_slots else ""),
+        fontsize=10,
+    )
     if slots:
         handles = [
             FancyArrowPatch((0, 0), (1, 0), color=_SLOT_COLORS[s % len(_SLOT_COLORS)])
-            for s in range(rnd.num_slots)]
-        ax_g.legend(handles, slots.split(", "), loc="lower center", ncol=min(rnd.num_slots, 6),
-                    fontsize=7, frameon=False, bbox_to_anchor=(0.5, -0.08))
+            for s in range(rnd.num_slots)
+        ]
+        ax_g.legend(
+            handles,
+            slots.split(", "),
+            loc="lower center",
+            ncol=min(rnd.num_slots, 6),
+            fontsize=7,
+            frameon=False,
+            bbox_to_anchor=(0.5, -0.08),
+        )
 
     im = ax_w.imshow(w, cmap="viridis", vmin=0.0, vmax=max(float(w.max()), 1e-12))
     fig.colorbar(im, ax=ax_w, fraction=0.046, pad=0.04)
@@ -84,8 +114,15 @@ def draw(topology: Topology, path: str | os.PathLike, round: int = 0, *, dpi: in
         for i in range(n):
             for j in range(n):
                 if w[i, j]:
-                    ax_w.text(j, i, f"{w[i, j]:.2f}".lstrip("0"), ha="center", va="center",
-                              fontsize=7, color="white" if w[i, j] < 0.6 * w.max() else "black")
+                    ax_w.text(
+                        j,
+                        i,
+                        f"{w[i, j]:.2f}".lstrip("0"),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if w[i, j] < 0.6 * w.max() else "black",
+                    )
     kinds = []
     if topology.is_doubly_stochastic(round):
         kinds.append("doubly stochastic")

@@ -69,7 +69,8 @@ def _check_n(n: object, who: str, *, even: bool = False) -> int:
         raise ValueError(
             f"{who}: n={n} is odd; allowed: even n >= 2 (a bipartite graph pairs the even "
             "(passive) ranks with the odd (active) ranks; odd n gives phone books of different "
-            "lengths and inconsistent in/out edges in fairscale)")
+            "lengths and inconsistent in/out edges in fairscale)"
+        )
     return n
 
 
@@ -173,7 +174,9 @@ def torus(n: int, *, rows: int | None = None, cols: int | None = None) -> Topolo
     def move(dr: int, dc: int) -> Permutation:
         return tuple(
             (r * cols + c, ((r + dr) % rows) * cols + (c + dc) % cols)
-            for r in range(rows) for c in range(cols))
+            for r in range(rows)
+            for c in range(cols)
+        )
 
     perms: list[Permutation] = []
     for p in (move(0, 1), move(0, -1), move(1, 0), move(-1, 0)):
@@ -298,7 +301,8 @@ def from_neighbors(neighbors: Sequence[Sequence[int]], *, directed: bool = False
             i, j = missing[0]
             raise ValueError(
                 f"neighbors is not symmetric: {j} is in neighbors[{i}] but {i} is not in "
-                f"neighbors[{j}]; fix the lists or pass directed=True")
+                f"neighbors[{j}]; fix the lists or pass directed=True"
+            )
     perms = _edge_colouring(n, sorted(edges))
     convention = "sender" if directed else "receiver"
     name = "from_neighbors(directed)" if directed else "from_neighbors"
@@ -331,7 +335,8 @@ def _fairscale(
                 raise ValueError(
                     f"{name}(n={n}, peers_per_itr={k}, fairscale_compat=True): rank {r}'s phone "
                     "book contains itself (fairscale would build a 2-rank process group from one "
-                    "rank and hang); use fairscale_compat=False or another n / peers_per_itr")
+                    "rank and hang); use fairscale_compat=False or another n / peers_per_itr"
+                )
             books.append(raw)
         else:
             books.append([p for i, p in enumerate(raw) if p != r and p not in raw[:i]])
@@ -342,7 +347,8 @@ def _fairscale(
         raise ValueError(
             f"{name}(n={n}): peers_per_itr={k} exceeds the {length} "
             f"{'' if fairscale_compat else 'distinct '}peers in each phone book; "
-            f"allowed: 1 <= peers_per_itr <= {length}")
+            f"allowed: 1 <= peers_per_itr <= {length}"
+        )
     group = list(range(k))
     seen: set[tuple[int, ...]] = set()
     rounds = []
@@ -374,8 +380,12 @@ def dynamic_directed_exponential_graph(
     n = _check_n(n, "dynamic_directed_exponential_graph")
     levels = _floor_log(n - 1, 2, fairscale_compat)
     return _fairscale(
-        "dynamic_directed_exponential_graph", n, peers_per_itr, fairscale_compat,
-        lambda r: [p for i in range(levels + 1) for p in (r + 2**i, r - 2**i)])
+        "dynamic_directed_exponential_graph",
+        n,
+        peers_per_itr,
+        fairscale_compat,
+        lambda r: [p for i in range(levels + 1) for p in (r + 2**i, r - 2**i)],
+    )
 
 
 def npeer_dynamic_directed_exponential_graph(
@@ -396,11 +406,16 @@ def npeer_dynamic_directed_exponential_graph(
     k = _as_int(peers_per_itr, "peers_per_itr")
     if k < 1:
         raise ValueError(
-            f"npeer_dynamic_directed_exponential_graph: peers_per_itr={k} is invalid; allowed: >= 1")
+            f"npeer_dynamic_directed_exponential_graph: peers_per_itr={k} is invalid; allowed: >= 1"
+        )
     levels = _floor_log(n - 1, k + 1, fairscale_compat)
     return _fairscale(
-        "npeer_dynamic_directed_exponential_graph", n, k, fairscale_compat,
-        lambda r: [r + j * (k + 1) ** i for i in range(levels + 1) for j in range(1, k + 1)])
+        "npeer_dynamic_directed_exponential_graph",
+        n,
+        k,
+        fairscale_compat,
+        lambda r: [r + j * (k + 1) ** i for i in range(levels + 1) for j in range(1, k + 1)],
+    )
 
 
 def _bipartite_book(r: int, n: int, distances: Sequence[int]) -> list[int]:
@@ -432,8 +447,12 @@ def dynamic_bipartite_exponential_graph(
     levels = _floor_log(n - 1, 2, fairscale_compat)
     distances = [1 if i == 0 else 1 + 2**i for i in range(levels + 1)]
     return _fairscale(
-        "dynamic_bipartite_exponential_graph", n, peers_per_itr, fairscale_compat,
-        lambda r: _bipartite_book(r, n, distances))
+        "dynamic_bipartite_exponential_graph",
+        n,
+        peers_per_itr,
+        fairscale_compat,
+        lambda r: _bipartite_book(r, n, distances),
+    )
 
 
 def dynamic_directed_linear_graph(
@@ -448,8 +467,12 @@ def dynamic_directed_linear_graph(
     """
     n = _check_n(n, "dynamic_directed_linear_graph")
     return _fairscale(
-        "dynamic_directed_linear_graph", n, peers_per_itr, fairscale_compat,
-        lambda r: [p for i in range(1, n, 2) for p in (r + i, r - i)])
+        "dynamic_directed_linear_graph",
+        n,
+        peers_per_itr,
+        fairscale_compat,
+        lambda r: [p for i in range(1, n, 2) for p in (r + i, r - i)],
+    )
 
 
 def dynamic_bipartite_linear_graph(
@@ -464,8 +487,12 @@ def dynamic_bipartite_linear_graph(
     """
     n = _check_n(n, "dynamic_bipartite_linear_graph", even=True)
     return _fairscale(
-        "dynamic_bipartite_linear_graph", n, peers_per_itr, fairscale_compat,
-        lambda r: _bipartite_book(r, n, range(1, n)))
+        "dynamic_bipartite_linear_graph",
+        n,
+        peers_per_itr,
+        fairscale_compat,
+        lambda r: _bipartite_book(r, n, range(1, n)),
+    )
 
 
 def ring_graph(n: int, *, peers_per_itr: int = 1, fairscale_compat: bool = False) -> Topology:
@@ -478,4 +505,5 @@ def ring_graph(n: int, *, peers_per_itr: int = 1, fairscale_compat: bool = False
     """
     n = _check_n(n, "ring_graph")
     return _fairscale(
-        "ring_graph", n, peers_per_itr, fairscale_compat, lambda r: [r + 1, r - 1], dynamic=False)
+        "ring_graph", n, peers_per_itr, fairscale_compat, lambda r: [r + 1, r - 1], dynamic=False
+    )

@@ -132,9 +132,7 @@ class AverageParamsState(NamedTuple):
     average_params_ledger: CommLedger
 
 
-def average_params(
-    *, comm: Communicator, dtype: Any = None
-) -> optax.GradientTransformationExtraArgs:
+def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTransformationExtraArgs:
     r"""Average the parameters after every local step (mlbench ``agg_grad=False``).
 
     Place it *after* the local optimizer. With :math:`u_i` the local update of replica :math:`i`:

@@ -54,8 +54,9 @@ def averaged_iterate(shift: float) -> optax.GradientTransformationExtraArgs:
         rho = 6 * (a + t) ** 2 / ((1 + t) * (6 * a**2 + t + 6 * a * t + 2 * t**2))
         iterate = optax.apply_updates(params, updates)
         averaged = jax.tree.map(
-            lambda avg, w: ((1 - rho) * avg.astype(jnp.float32) + rho * w.astype(jnp.float32))
-            .astype(avg.dtype),
+            lambda avg, w: ((1 - rho) * avg.astype(jnp.float32) + rho * w.astype(jnp.float32)).astype(
+                avg.dtype
+            ),
             state.averaged_params,
             iterate,
         )
@@ -67,7 +68,8 @@ def averaged_iterate(shift: float) -> optax.GradientTransformationExtraArgs:
 def averaged_params(opt_state: Any) -> optax.Params:
     """The weighted average kept by the (single) ``averaged_iterate`` in a nested optimizer state."""
     found = [
-        s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AveragedIterateState))
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AveragedIterateState))
         if isinstance(s, AveragedIterateState)
     ]
     if len(found) != 1:

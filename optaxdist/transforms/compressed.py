@@ -110,9 +110,7 @@ def compressed_allreduce(
         leaves, treedef = jax.tree.flatten(tree)
         shapes = [x.shape for x in leaves]
         vecs = [x.reshape(-1).astype(residual_dtype) for x in leaves]
-        return vecs, lambda vs: jax.tree.unflatten(
-            treedef, [v.reshape(s) for v, s in zip(vs, shapes)]
-        )
+        return vecs, lambda vs: jax.tree.unflatten(treedef, [v.reshape(s) for v, s in zip(vs, shapes)])
 
     def keys(step, count):
         base = jax.random.fold_in(jax.random.key(seed), step)
@@ -123,11 +121,7 @@ def compressed_allreduce(
         vecs, _ = jax.eval_shape(lambda t: (vectors_of(t)[0], 0), abstract)
         key = jax.random.key(0)
         payload = [jax.eval_shape(compressor.encode, v, key) for v in vecs]
-        error = (
-            jax.tree.map(lambda p: jnp.zeros(p.shape, residual_dtype), params)
-            if error_feedback
-            else ()
-        )
+        error = jax.tree.map(lambda p: jnp.zeros(p.shape, residual_dtype), params) if error_feedback else ()
         return CompressedAllReduceState(
             compress_step=jnp.zeros((), jnp.int32),
             error=error,
@@ -146,17 +140,12 @@ def compressed_allreduce(
             received = comm.psum(payloads)
         else:
             received = comm.all_gather(payloads)
-        averaged = [
-            compressor.combine(r, v.shape[0], comm.size, k)
-            for r, v, k in zip(received, vecs, ks)
-        ]
+        averaged = [compressor.combine(r, v.shape[0], comm.size, k) for r, v, k in zip(received, vecs, ks)]
         out = jax.tree.map(lambda a, g: a.astype(g.dtype), rebuild(averaged), updates)
         error = state.error
         if error_feedback:
             sent = [compressor.decode(p, v.shape[0], k) for p, v, k in zip(payloads, vecs, ks)]
-            error = jax.tree.map(
-                lambda v, s: (v - s.astype(residual_dtype)), v_tree, rebuild(sent)
-            )
+            error = jax.tree.map(lambda v, s: v - s.astype(residual_dtype), v_tree, rebuild(sent))
         return out, CompressedAllReduceState(
             compress_step=optax.safe_increment(state.compress_step),
             error=error,

@@ -257,18 +257,24 @@ def daso(
     low = canonical_comm_dtype(downcast, name="downcast")
     if merge_weight not in MERGE_WEIGHTS:
         raise ValueError(f"merge_weight={merge_weight!r}; allowed: {MERGE_WEIGHTS}")
-    reset_cycle = (max_global_skips, max_global_skips // local_skip_factor,
-                   max_global_skips // local_skip_factor)
+    reset_cycle = (
+        max_global_skips,
+        max_global_skips // local_skip_factor,
+        max_global_skips // local_skip_factor,
+    )
     if isinstance(first_cycle, str):
         if first_cycle not in FIRST_CYCLES:
-            raise ValueError(
-                f"first_cycle={first_cycle!r}; allowed: {FIRST_CYCLES} or a tuple (gs, ls, btw)"
-            )
+            raise ValueError(f"first_cycle={first_cycle!r}; allowed: {FIRST_CYCLES} or a tuple (gs, ls, btw)")
         start_cycle = reset_cycle if first_cycle == "max_global_skips" else HEAT_FIRST_CYCLE
     else:
         cycle = tuple(first_cycle) if isinstance(first_cycle, (tuple, list)) else ()
-        if len(cycle) != 3 or not all(isinstance(v, int) and not isinstance(v, bool) for v in cycle) \
-                or cycle[0] < 1 or cycle[1] < 1 or cycle[2] < 0:
+        if (
+            len(cycle) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in cycle)
+            or cycle[0] < 1
+            or cycle[1] < 1
+            or cycle[2] < 0
+        ):
             raise ValueError(
                 f"first_cycle={first_cycle!r} must be {FIRST_CYCLES[0]!r}, {FIRST_CYCLES[1]!r} or a "
                 "tuple of ints (gs ≥ 1, ls ≥ 1, btw ≥ 0)"
@@ -298,8 +304,7 @@ def daso(
         }
         if two_wires:
             out[_kind("global:all_reduce", cycle_wire, params)] = payload_bytes(params, cycle_wire)
-        out.update({LOSS_LOCAL_KIND: 8, LOSS_GLOBAL_KIND: 8, AGREE_LOCAL_KIND: 4,
-                    AGREE_GLOBAL_KIND: 4})
+        out.update({LOSS_LOCAL_KIND: 8, LOSS_GLOBAL_KIND: 8, AGREE_LOCAL_KIND: 4, AGREE_GLOBAL_KIND: 4})
         return out
 
     def no_events() -> DasoEvents:
@@ -310,9 +315,7 @@ def daso(
     def init_fn(params):
         blocking, _ = phase_cycle(0)
         gs, ls, btw = (0, 0, 0) if blocking else start_cycle
-        pending = jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p), _storage_dtype(p.dtype)), params
-        )
+        pending = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _storage_dtype(p.dtype)), params)
         return DasoState(
             batch_in_epoch=_i32(0),
             epoch=_i32(0),
@@ -368,7 +371,8 @@ def daso(
         l_rest = jnp.where(nb == last_batch, True, l_rest)
         l_rest = jnp.where((ls == 1) & (nb != last_batch), True, l_rest)
         new_lso = jnp.where(
-            is_sync, lso,
+            is_sync,
+            lso,
             jnp.where(before_sync, True, jnp.where(waiting, lso | (nb == last_batch), l_rest)),
         )
         delay = b - s.pending_sent_batch
@@ -389,9 +393,7 @@ def daso(
         if value is not None:
             extra = extra | {"value": value}
         local_updates, inner_state = inner.update(updates, s.inner_state, params, **extra)
-        local = jax.tree.map(
-            lambda p, u: (p + u).astype(p.dtype), params, local_updates
-        )
+        local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, local_updates)
 
         # ---- 3. send: every group all-reduces over global_comm; group send_group keeps it ----
         def send(wire):
@@ -401,14 +403,18 @@ def daso(
                 _, led = operand
                 # The sum is computed in `wire` (None: each leaf's own dtype) and comes back in
                 # the dtype handed over: the float32 storage keeps a float32 sum of bf16 params.
-                packed = local if wire is None else jax.tree.map(
-                    lambda x: x.astype(_storage_dtype(x.dtype)), local)
+                packed = (
+                    local
+                    if wire is None
+                    else jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), local)
+                )
                 if N > 1:
                     summed = global_comm.psum(packed, dtype=wire)
                     led = led.record(kind)
                 else:  # a group of one: the "sum" is the value on the wire
                     summed = jax.tree.map(
-                        lambda x: x if wire is None else x.astype(wire).astype(x.dtype), packed)
+                        lambda x: x if wire is None else x.astype(wire).astype(x.dtype), packed
+                    )
                 stored = jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), summed)
                 return vary(stored), led
 
@@ -449,9 +455,9 @@ def daso(
             denom = (numer + N).astype(jnp.float32)
             factor = numer.astype(jnp.float32) / denom
             merged = jax.tree.map(
-                lambda x, tot: x * factor.astype(x.dtype)
-                + divide(tot, denom, s.pending_low_precision, x),
-                p, s.pending_sum,
+                lambda x, tot: x * factor.astype(x.dtype) + divide(tot, denom, s.pending_low_precision, x),
+                p,
+                s.pending_sum,
             )
             out, led = broadcast_from(merged, s.previous_send_group, led)
             return vary(out), led
@@ -524,8 +530,7 @@ def daso(
         reduce = plateau & (gs1 > 1)
         reset = plateau & (gs1 == 1)
         gs2 = gs1 // skip_reduction_factor
-        ls2 = jnp.where(gs2 > 0, jnp.maximum(ls1 // skip_reduction_factor, 1),
-                        ls1 // skip_reduction_factor)
+        ls2 = jnp.where(gs2 > 0, jnp.maximum(ls1 // skip_reduction_factor, 1), ls1 // skip_reduction_factor)
         cfg2 = jnp.where(gs2 > 0, jnp.maximum(cfg1 - 1, 1), jnp.maximum(cfg1 - 1, 0))
         gs3 = jnp.where(reduce, gs2, jnp.where(reset, reset_cycle[0], gs1))
         ls3 = jnp.where(reduce, ls2, jnp.where(reset, reset_cycle[1], ls1))
@@ -536,12 +541,8 @@ def daso(
 
         # ---- bookkeeping of the global sync ----
         nonblocking_send = is_sync & ~blocking
-        new_send_group = jnp.where(
-            is_sync, jnp.where(last, 0, (s.send_group + 1) % G), s.send_group
-        )
-        new_prev = jnp.where(
-            is_sync, jnp.where(blocking, NO_GROUP, s.send_group), s.previous_send_group
-        )
+        new_send_group = jnp.where(is_sync, jnp.where(last, 0, (s.send_group + 1) % G), s.send_group)
+        new_prev = jnp.where(is_sync, jnp.where(blocking, NO_GROUP, s.send_group), s.previous_send_group)
         minus = _i32(NO_GROUP)
         events = DasoEvents(
             local_grad_sync=lso,
@@ -551,9 +552,7 @@ def daso(
             merged_group=jnp.where(merge, s.previous_send_group, minus),
             merged_wait=jnp.where(merge, s.pending_wait, 0).astype(jnp.int32),
             merged_delay=jnp.where(merge, delay, 0).astype(jnp.int32),
-            merge_broadcast_root=jnp.where(
-                (merge | bcast_prev) & (G > 1), s.previous_send_group, minus
-            ),
+            merge_broadcast_root=jnp.where((merge | bcast_prev) & (G > 1), s.previous_send_group, minus),
             averaged_group=jnp.where(blocking, s.send_group, minus),
             ended_epoch=last,
         )

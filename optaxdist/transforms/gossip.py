@@ -40,9 +40,7 @@ def _check(comm, topology: Topology, global_every: int | None) -> None:
 
 def _check_size(comm: Communicator, topology: Topology) -> None:
     if comm.size != topology.n:
-        raise ValueError(
-            f"topology {topology.name!r} has n={topology.n} nodes but the group has {comm.size}"
-        )
+        raise ValueError(f"topology {topology.name!r} has n={topology.n} nodes but the group has {comm.size}")
 
 
 def _gossip(
@@ -166,9 +164,7 @@ def decentralized_sgd(
         leaves, treedef = jax.tree.flatten(optax.apply_updates(params, u))
 
         def gossip(led):
-            own, received, led = _gossip(
-                leaves, topo, t, comm, push=False, ledger=led, kinds=(PERMUTE_KIND,)
-            )
+            own, received, led = _gossip(leaves, topo, t, comm, push=False, ledger=led, kinds=(PERMUTE_KIND,))
             return per_replica(([a + b for a, b in zip(own, received)], led), comm)
 
         def average(led):
@@ -297,8 +293,7 @@ def sgp(
         u, inner_state = inner.update(updates, state.inner_state, params, **extra)
         p_leaves, treedef = jax.tree.flatten(params)
         numerator = [
-            (z.astype(jnp.float32) * w + d.astype(jnp.float32))
-            for z, d in zip(p_leaves, jax.tree.leaves(u))
+            (z.astype(jnp.float32) * w + d.astype(jnp.float32)) for z, d in zip(p_leaves, jax.tree.leaves(u))
         ]
 
         def gossip(operand):
@@ -321,14 +316,11 @@ def sgp(
             mean = [s / total_w for s in sums]
             if overlap:  # nothing stays in flight across an exact average
                 in_flight = jax.tree.map(jnp.zeros_like, in_flight)
-            return per_replica((mean, jnp.ones((), jnp.float32), led.record(GLOBAL_KIND),
-                                in_flight), comm)
+            return per_replica((mean, jnp.ones((), jnp.float32), led.record(GLOBAL_KIND), in_flight), comm)
 
         operand = (ledger, state.in_flight)
         if global_every:
-            x, w, ledger, in_flight = jax.lax.cond(
-                (t + 1) % global_every == 0, average, gossip, operand
-            )
+            x, w, ledger, in_flight = jax.lax.cond((t + 1) % global_every == 0, average, gossip, operand)
         else:
             x, w, ledger, in_flight = gossip(operand)
         z = [xi / w for xi in x]

@@ -116,9 +116,7 @@ def local_sgd(
     if local_period is not None and (
         not isinstance(local_period, int) or local_period < 1 or period % local_period
     ):
-        raise ValueError(
-            f"local_period={local_period!r} must be an int ≥ 1 dividing period={period}"
-        )
+        raise ValueError(f"local_period={local_period!r} must be an int ≥ 1 dividing period={period}")
     for name, c in (("comm", comm), ("local_comm", local_comm)):
         if c is not None and not isinstance(c, Communicator):
             raise TypeError(f"{name} must be an optaxdist Communicator, got {type(c).__name__}")
@@ -154,8 +152,9 @@ def local_sgd(
             warm = t < warmup_steps
             updates, ledger = jax.lax.cond(
                 warm,
-                lambda: per_replica((comm.pmean(updates, dtype=wire),
-                                     ledger.record(_kind("all_reduce", wire, updates))), comm),
+                lambda: per_replica(
+                    (comm.pmean(updates, dtype=wire), ledger.record(_kind("all_reduce", wire, updates))), comm
+                ),
                 lambda: per_replica((updates, ledger), comm),
             )
         local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
@@ -188,9 +187,7 @@ def local_sgd(
         ]
         if local_comm is None:
             branches[LOCAL_SYNC] = branches[NO_SYNC]
-        out, inner_state, ledger = jax.lax.switch(
-            level, branches, (local_updates, inner_state, ledger)
-        )
+        out, inner_state, ledger = jax.lax.switch(level, branches, (local_updates, inner_state, ledger))
         return out, LocalSgdState(
             local_step=optax.safe_increment(t),
             sync_level=level.astype(jnp.int32),

@@ -168,8 +168,12 @@ def mlbench_loss_scale(
     """mlbench ``FP16Optimizer`` defaults: init 1024, ×2 every 128 finite steps, ×0.5 on overflow,
     minimum 1e-4 which raises ``FloatingPointError`` when reached."""
     kw = dict(
-        init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=128,
-        min_scale=1e-4, raise_at_min_scale=True,
+        init_scale=1024.0,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=128,
+        min_scale=1e-4,
+        raise_at_min_scale=True,
     )
     return dynamic_loss_scale(inner, comm=comm, **(kw | overrides))
 

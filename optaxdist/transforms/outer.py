@@ -108,11 +108,15 @@ def outer_sync(
             dtype = jnp.result_type(*jax.tree.leaves(params))
             # Filled from the parameters on the first update, where this replica's index is known.
             anchor = jnp.zeros((block,), dtype)
-            ledger = CommLedger.create({
-                f"reduce_scatter[{jnp.dtype(dtype).name}]": block * num_shards * jnp.dtype(dtype).itemsize,
-                f"all_gather[{jnp.dtype(dtype).name}]": block * jnp.dtype(dtype).itemsize,
-                **anchor_kind(params),
-            })
+            ledger = CommLedger.create(
+                {
+                    f"reduce_scatter[{jnp.dtype(dtype).name}]": block
+                    * num_shards
+                    * jnp.dtype(dtype).itemsize,
+                    f"all_gather[{jnp.dtype(dtype).name}]": block * jnp.dtype(dtype).itemsize,
+                    **anchor_kind(params),
+                }
+            )
             return OuterSyncState(
                 outer_step=jnp.zeros((), jnp.int32),
                 inner_state=inner_state,
@@ -158,9 +162,7 @@ def outer_sync(
                     anchor = mean
                 return per_replica((anchor, ledger.record(ANCHOR_KIND)), comm)
 
-            anchor, ledger = jax.lax.cond(
-                t == 0, first, lambda o: per_replica(o, comm), (anchor, ledger)
-            )
+            anchor, ledger = jax.lax.cond(t == 0, first, lambda o: per_replica(o, comm), (anchor, ledger))
         elif sharded:
             flat_params, _ = ravel_pytree(params)
             anchor = jnp.where(t == 0, my_block(flat_params, block_size(params)[1]), anchor)
@@ -261,8 +263,13 @@ def diloco(
       arXiv:2311.08105.
     """
     return outer_sync(
-        inner, outer if outer is not None else diloco_outer_optimizer(),
-        comm=comm, period=period, reducer=reducer, num_shards=num_shards, check_start=check_start,
+        inner,
+        outer if outer is not None else diloco_outer_optimizer(),
+        comm=comm,
+        period=period,
+        reducer=reducer,
+        num_shards=num_shards,
+        check_start=check_start,
     )
 
 
@@ -352,6 +359,9 @@ def slowmo(
     return outer_sync(
         inner,
         slowmo_outer_optimizer(learning_rate, momentum=momentum, slow_lr=slow_lr),
-        comm=comm, period=period, num_shards=num_shards,
-        anchor_after_first_step=anchor_after_first_step, check_start=check_start,
+        comm=comm,
+        period=period,
+        num_shards=num_shards,
+        anchor_after_first_step=anchor_after_first_step,
+        check_start=check_start,
     )

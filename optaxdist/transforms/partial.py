@@ -130,10 +130,13 @@ def partial_average(
         return PartialAverageState(
             partial_step=jnp.zeros((), jnp.int32),
             inner_state=per_replica(inner.init(params), comm),
-            partial_ledger=CommLedger.create({
-                _kind(k, [leaves[i] for i in part]): payload_bytes([leaves[i] for i in part])
-                for k, part in enumerate(parts)
-            } | start_kinds(check_start, params)),
+            partial_ledger=CommLedger.create(
+                {
+                    _kind(k, [leaves[i] for i in part]): payload_bytes([leaves[i] for i in part])
+                    for k, part in enumerate(parts)
+                }
+                | start_kinds(check_start, params)
+            ),
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -156,9 +159,7 @@ def partial_average(
 
             return branch
 
-        ledger = check_identical_start(
-            check_start, params, state.partial_step, state.partial_ledger, comm
-        )
+        ledger = check_identical_start(check_start, params, state.partial_step, state.partial_ledger, comm)
         out, ledger = jax.lax.switch(
             state.partial_step % len(parts), [average(k) for k in range(len(parts))], ledger
         )
@@ -237,9 +238,7 @@ def streaming_diloco(
     if not isinstance(period, int) or period < 1:
         raise ValueError(f"period={period!r} must be an int ≥ 1")
     if not isinstance(num_fragments, int) or num_fragments < 1 or period % num_fragments:
-        raise ValueError(
-            f"num_fragments={num_fragments!r} must be an int ≥ 1 dividing period={period}"
-        )
+        raise ValueError(f"num_fragments={num_fragments!r} must be an int ≥ 1 dividing period={period}")
     stride = period // num_fragments
     if not isinstance(delay, int) or not 0 <= delay < stride:
         raise ValueError(f"delay={delay!r} must be an int in [0, period / num_fragments = {stride})")
@@ -270,12 +269,13 @@ def streaming_diloco(
             ),
             pending_fragment=jnp.asarray(-1, jnp.int32),
             pending_due=jnp.asarray(-1, jnp.int32),
-            stream_ledger=CommLedger.create({
-                _kind(f, [leaves[i] for i in part], "fragment"): payload_bytes(
-                    [leaves[i] for i in part]
-                )
-                for f, part in enumerate(parts)
-            } | start_kinds(check_start, params)),
+            stream_ledger=CommLedger.create(
+                {
+                    _kind(f, [leaves[i] for i in part], "fragment"): payload_bytes([leaves[i] for i in part])
+                    for f, part in enumerate(parts)
+                }
+                | start_kinds(check_start, params)
+            ),
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -315,8 +315,11 @@ def streaming_diloco(
         anchor, outer_states, ledger = jax.lax.switch(
             syncing + 1,
             [no_sync] + [sync(f) for f in range(num_fragments)],
-            (anchor, state.fragment_outer_states,
-             check_identical_start(check_start, params, t, state.stream_ledger, comm)),
+            (
+                anchor,
+                state.fragment_outer_states,
+                check_identical_start(check_start, params, t, state.stream_ledger, comm),
+            ),
         )
         pending = jnp.where(syncing >= 0, syncing, state.pending_fragment)
         due = jnp.where(syncing >= 0, t + delay, state.pending_due)
@@ -333,7 +336,8 @@ def streaming_diloco(
 
         merging = jnp.where((pending >= 0) & (due == t), pending, -1)
         new = jax.lax.switch(
-            merging + 1, [lambda v: per_replica(v, comm)] + [merge(f) for f in range(num_fragments)],
+            merging + 1,
+            [lambda v: per_replica(v, comm)] + [merge(f) for f in range(num_fragments)],
             local,
         )
         out = [(x - p).astype(p.dtype) for x, p in zip(new, p_leaves)]

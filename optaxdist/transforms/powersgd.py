@@ -136,10 +136,12 @@ def _initial_q(seed: int, group: _Group) -> np.ndarray:
     """The initial draw of a group, ``(B, m, r)`` float32 standard normal: a constant computed
     on the host from NumPy's legacy ``RandomState`` seeded with ``[seed, leaf index]``, whose
     stream NumPy keeps frozen across versions, so every replica draws the same bits."""
-    return np.stack([
-        np.random.RandomState([seed, i]).standard_normal((group.m, group.r)).astype(np.float32)
-        for i in group.leaves
-    ])
+    return np.stack(
+        [
+            np.random.RandomState([seed, i]).standard_normal((group.m, group.r)).astype(np.float32)
+            for i in group.leaves
+        ]
+    )
 
 
 def orthonormalize(a: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
@@ -318,8 +320,10 @@ def powersgd(
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
     for name, flag in [
-        ("error_feedback", error_feedback), ("warm_start", warm_start),
-        ("batch_same_shape", batch_same_shape), ("compress_single_replica", compress_single_replica),
+        ("error_feedback", error_feedback),
+        ("warm_start", warm_start),
+        ("batch_same_shape", batch_same_shape),
+        ("compress_single_replica", compress_single_replica),
     ]:
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={flag!r} must be a bool")
@@ -334,9 +338,7 @@ def powersgd(
         qs = tuple(jnp.asarray(_initial_q(seed, g)) for g in plan.groups)
         errors = ()
         if error_feedback:
-            errors = tuple(
-                comm.varying(jnp.zeros((len(g.leaves), g.n, g.m), _F32)) for g in plan.groups
-            )
+            errors = tuple(comm.varying(jnp.zeros((len(g.leaves), g.n, g.m), _F32)) for g in plan.groups)
         return PowerSgdState(
             powersgd_step=jnp.zeros((), jnp.int32),
             powersgd_q=qs,

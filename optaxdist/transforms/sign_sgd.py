@@ -70,9 +70,7 @@ def sign_sgd(
         buf = state.sign_momentum
         if momentum:
             first = state.count == 0
-            buf = jax.tree.map(
-                lambda b, x: jnp.where(first, x, momentum * b + (1 - dampening) * x), buf, d
-            )
+            buf = jax.tree.map(lambda b, x: jnp.where(first, x, momentum * b + (1 - dampening) * x), buf, d)
             d = jax.tree.map(lambda x, b: x + momentum * b, d, buf) if nesterov else buf
         out = jax.tree.map(lambda x: -jnp.asarray(lr, x.dtype) * jnp.sign(x), d)
         return out, SignSgdState(count=optax.safe_increment(state.count), sign_momentum=buf)
