@@ -6,4 +6,5 @@ cd "$root"
 bash scripts/setup_venv.sh
 export PATH="$root/.venv/bin:$PATH"
 ruff check optaxdist tests examples
+ruff format --check optaxdist tests examples
 exec python -m pytest -q "$@"
