@@ -11,14 +11,14 @@ from tests.problems import init_params, np_grad, replica_data
 from tests.test_allreduce import LR, run_trajectory
 
 STEPS = 12
+START_CHECK_BYTES = 4 * 2 + 4  # one uint32 fingerprint per leaf (w, b) and a 4-byte vote
 
 
 def sync_stats(state):
     """Ledger totals without the one-time start check (tested in test_check_start)."""
     stats = dict(od.comm_stats(state).by_kind)
     start = stats.pop("broadcast[start check]", None)
-    p_bytes = sum(v.nbytes for v in init_params().values())
-    assert start in (None, od.KindTotals(1, p_bytes + 4)), start
+    assert start in (None, od.KindTotals(1, START_CHECK_BYTES)), start
     return stats
 
 
@@ -309,8 +309,7 @@ def test_check_start(harness, make):
         return s
 
     state = harness.run(two_steps, p)
-    p_bytes = sum(v.nbytes for v in init_params().values())
-    assert od.comm_stats(state).by_kind["broadcast[start check]"] == od.KindTotals(1, p_bytes + 4)
+    assert od.comm_stats(state).by_kind["broadcast[start check]"] == od.KindTotals(1, START_CHECK_BYTES)
     if n > 1:
         different = jax.tree.map(lambda x: x.at[n - 1].add(1.0), p)
         with pytest.raises(Exception, match="do not start from identical parameters"):
@@ -336,3 +335,23 @@ def test_check_start_with_a_batched_step_counter():
         p, state = run(p, state, xs[t], ys[t])
     jax.block_until_ready(p)
     assert od.comm_stats(state).by_kind["broadcast[start check]"].collectives == 1
+
+
+def test_fingerprint_sees_any_single_change():
+    from optaxdist.transforms._start import fingerprint
+
+    tree = {
+        "f32": jnp.linspace(-1, 1, 50),
+        "bf16": jnp.linspace(-1, 1, 7).astype(jnp.bfloat16),
+        "i32": jnp.arange(9),
+        "flag": jnp.asarray([True, False]),
+    }
+    base = np.asarray(fingerprint(tree))
+    assert base.dtype == np.uint32 and base.shape == (4,)
+    for key, leaf in tree.items():
+        for i in range(leaf.size):
+            changed = dict(tree)
+            flat = leaf.reshape(-1)
+            bumped = ~flat[i] if leaf.dtype == jnp.bool_ else flat[i] + jnp.asarray(1, leaf.dtype)
+            changed[key] = flat.at[i].set(bumped).reshape(leaf.shape)
+            assert not np.array_equal(np.asarray(fingerprint(changed)), base), (key, i)

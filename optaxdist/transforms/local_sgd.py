@@ -96,8 +96,9 @@ def local_sgd(
       local_period: steps between node-local averages; ``period`` must be a multiple of it.
       dtype: wire dtype of the averages (None: the parameters' dtype).
       check_start: on the first step, check that all replicas start from identical parameters
-        and raise ``ValueError`` otherwise (one broadcast of the parameters, ledger
-        ``broadcast[start check]``). Make them identical with ``broadcast_from_root``.
+        and raise ``ValueError`` otherwise (a uint32 fingerprint per leaf is compared with replica
+        0's: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``). Make them identical with
+        ``broadcast_from_root``.
 
     Example:
       >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)  # doctest: +SKIP

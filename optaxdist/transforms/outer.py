@@ -77,7 +77,8 @@ def outer_sync(
         takes each process's own parameters, so its replicas' anchors differ; here it is their
         mean (one extra all-reduce at step 0, ledger ``anchor_average[float32]``).
       check_start: on the first step, raise ``ValueError`` if the replicas' parameters differ
-        (one broadcast, ledger ``broadcast[start check]``).
+        (fingerprints compared: 4 bytes per leaf and a 4-byte vote, ledger
+        ``broadcast[start check]``).
     """
     if not isinstance(period, int) or period < 1:
         raise ValueError(f"period={period!r} must be an int ≥ 1")

@@ -115,7 +115,8 @@ def partial_average(
       partitions: a tuple of tuples of leaf indices (of ``jax.tree.leaves(params)``), or a
         function of the parameters returning one (default ``singa_partitions``, SINGA's packing
         by 2,097,152 elements in backward order).
-      check_start: raise on the first step if the replicas' parameters differ (one broadcast).
+      check_start: raise on the first step if the replicas' parameters differ (compares a
+        fingerprint: 4 bytes per leaf).
 
     References:
       Apache SINGA ``DistOpt.backward_and_partial_update``.
@@ -229,7 +230,8 @@ def streaming_diloco(
         most one merge is pending.
       blend: α ∈ [0, 1), the weight of the local value at the merge.
       fragments: explicit fragments (tuples of leaf indices); default ``balanced_fragments``.
-      check_start: raise on the first step if the replicas' parameters differ (one broadcast).
+      check_start: raise on the first step if the replicas' parameters differ (compares a
+        fingerprint: 4 bytes per leaf).
 
     References:
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed
