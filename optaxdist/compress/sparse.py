@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Literal
 
@@ -54,8 +55,9 @@ class _SharedIndices(Compressor):
     def __post_init__(self):
         check_fraction_or_count(self.fraction, self.count)
 
+    @abc.abstractmethod
     def _indices(self, size: int, key: jax.Array) -> jax.Array:
-        raise NotImplementedError
+        """The ``k`` coordinates of a vector of ``size``, identical on every replica for ``key``."""
 
     def encode(self, x, key):
         return x[self._indices(x.shape[0], key)]
