@@ -366,7 +366,8 @@ def powersgd(
                 m = m + state.powersgd_error[k]
             ms.append(m)
             if warm_start:
-                restart, _ = orthonormalize(jnp.asarray(_initial_q(seed, g)), eps)
+                with jax.ensure_compile_time_eval():  # a constant: computed once, at trace time
+                    restart, _ = orthonormalize(jnp.asarray(_initial_q(seed, g)), eps)
                 warm, kept = orthonormalize(state.powersgd_q[k], eps)
                 usable = jnp.all(kept, axis=-1)[:, None, None]
                 q_starts.append(jnp.where(usable, warm, restart))
@@ -384,12 +385,16 @@ def powersgd(
 
         errors = []
         for k, g in enumerate(plan.groups):
-            approx = jnp.einsum("bnr,bmr->bnm", ps[k], qs[k], precision=_HIGHEST)
-            sent = approx.astype(g.dtype)
+            # One product per member, written straight into its output leaf (slicing a batched
+            # (B, n, m) reconstruction would copy every matrix once more).
+            sent = [
+                jnp.matmul(ps[k][b], qs[k][b].T, precision=_HIGHEST).astype(g.dtype)
+                for b in range(len(g.leaves))
+            ]
             for b, i in enumerate(g.leaves):
                 out[i] = sent[b].reshape(plan.shapes[i])
             if error_feedback:
-                errors.append(comm.varying(ms[k] - sent.astype(_F32)))
+                errors.append(comm.varying(ms[k] - jnp.stack(sent).astype(_F32)))
         return (
             out,
             _like(tuple(qs), state.powersgd_q),
