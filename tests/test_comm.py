@@ -154,3 +154,18 @@ def test_pmean_rejects_integer_leaves():
     comm = od.AxisComm("replica")
     with pytest.raises(TypeError, match="floating-point"):
         jax.vmap(lambda v: comm.pmean(v), axis_name="replica")(jnp.ones(2, jnp.int32))
+
+
+def test_solo_comm_is_a_group_of_one():
+    comm = od.SoloComm()
+    x = jnp.arange(3.0)
+    assert comm.size == 1 and int(comm.index()) == 0
+    np.testing.assert_array_equal(comm.pmean(x), x)
+    np.testing.assert_array_equal(comm.all_gather(x), x[None])
+    np.testing.assert_array_equal(comm.broadcast(x, 0), x)
+    np.testing.assert_array_equal(comm.psum_scatter(x), x)
+    assert bool(comm.agree(jnp.asarray(True), op="all"))
+    tx = od.allreduce(comm=comm)
+    u, s = jax.jit(lambda g: tx.update(g, tx.init(g)))(x)
+    np.testing.assert_array_equal(u, x)
+    assert od.comm_stats(s).bytes == 12

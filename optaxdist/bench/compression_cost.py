@@ -53,31 +53,9 @@ import optaxdist
 from optaxdist.bench import cost
 from optaxdist.bench.overhead import hlo_summary
 from optaxdist.comm.base import Communicator
+from optaxdist.comm.solo import SoloComm
 
 C = optaxdist.compress
-
-
-class SoloComm(Communicator):
-    """A group of one: every collective is the identity (an all-gather adds the leading axis)."""
-
-    @property
-    def size(self) -> int:
-        return 1
-
-    def index(self) -> jax.Array:
-        return jnp.zeros((), jnp.int32)
-
-    def _psum(self, x):
-        return x
-
-    def _all_gather(self, x):
-        return x[None]
-
-    def _permute(self, x, perm):
-        return x if (0, 0) in perm else jnp.zeros_like(x)
-
-    def _psum_scatter(self, x):
-        return x
 
 
 def model_shapes(n_params: int, matrices: int = 5) -> dict[str, tuple[int, ...]]:
