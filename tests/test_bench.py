@@ -232,3 +232,15 @@ def test_compression_cost_suite_without_torch(monkeypatch, capsys):
     assert len(by_name["powersgd-r2"]["compute_all_s"]) == 2
     assert rec["powersgd"][0]["rank"] == 2 and "torch_s" not in rec["powersgd"][0]
     assert "| 2 |" in format_compression_cost(rec)
+
+
+def test_help_lists_the_bench_options(capsys):
+    import pytest as _pytest
+
+    from optaxdist.bench.__main__ import main
+
+    with _pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--algorithms" in out and "topk-1%" in out and "--network" in out

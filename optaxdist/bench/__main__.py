@@ -62,9 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--algorithms",
         default=",".join(DEFAULT_ALGORITHMS),
-        help=f"comma list of: {', '.join(ALGORITHMS)}; or groups: "
-        f"{', '.join(ALGORITHM_GROUPS)} (compression = allreduce-fp32 + every "
-        "compressed row)",
+        # argparse %-formats help strings: names such as "topk-1%" need escaping
+        help=(
+            f"comma list of: {', '.join(ALGORITHMS)}; or groups: {', '.join(ALGORITHM_GROUPS)} "
+            "(each group = allreduce-fp32 + its rows)"
+        ).replace("%", "%%"),
     )
     b.add_argument(
         "--network",
@@ -171,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     With no subcommand (or options only) it runs ``bench``.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+    if not argv or argv[0] not in SUBCOMMANDS:  # `bench` is the default (and --help its help)
         argv = ["bench", *argv]
     args = _parser().parse_args(argv)
 
