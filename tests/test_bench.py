@@ -235,11 +235,7 @@ def test_compression_cost_suite_without_torch(monkeypatch, capsys):
 
 
 def test_help_lists_the_bench_options(capsys):
-    import pytest as _pytest
-
-    from optaxdist.bench.__main__ import main
-
-    with _pytest.raises(SystemExit) as info:
+    with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
