@@ -217,3 +217,24 @@ def test_bad_arguments():
     tx = od.decentralized_sgd(optax.sgd(0.1), comm=comm, topology=topo.ring(4))
     with pytest.raises(ValueError, match="n=4 nodes but the group has 2"):
         jax.vmap(lambda p: tx.update(p, tx.init(p), p), axis_name="replica")(jnp.zeros((2, 3)))
+
+
+def test_slowmo_over_sgp_without_exact_averaging():
+    """fairscale's slowmo_sgp_average_params=False: each replica's slow step on its own params."""
+    from tests.harness import VmapHarness
+
+    n = 4
+    harness = VmapHarness(n)
+    ring = topo.ring(n)
+    make = lambda c: od.outer_sync(
+        od.sgp(optax.sgd(LR), comm=c, topology=ring, check_start=False),
+        od.slowmo_outer_optimizer(LR, momentum=0.5),
+        comm=c,
+        period=4,
+        reducer=optax.identity(),
+    )
+    params, state = run_trajectory(harness, make, steps=STEPS)
+    assert np.isfinite(params["w"]).all()
+    assert not np.allclose(state.anchor_params["w"][0], state.anchor_params["w"][1])  # own anchors
+    kinds = od.comm_stats(state, replica=0).by_kind
+    assert set(kinds) == {"permute[params]", "broadcast[start check]"}  # no all-reduce on slow steps
