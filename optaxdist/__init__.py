@@ -1,7 +1,15 @@
 """optaxdist: distributed, communication-efficient training as composable Optax transformations."""
 
 from optaxdist import compress, topology
-from optaxdist.accounting import CommLedger, CommStats, KindTotals, comm_stats, payload_bytes
+from optaxdist.accounting import (
+    CommLedger,
+    CommStats,
+    KindTotals,
+    comm_stats,
+    dtype_label,
+    kind_name,
+    payload_bytes,
+)
 from optaxdist.comm import (
     AxisComm,
     Communicator,
@@ -125,6 +133,7 @@ __all__ = [
     "compressed_allreduce",
     "daso",
     "decentralized_sgd",
+    "dtype_label",
     "diloco",
     "diloco_outer_optimizer",
     "dynamic_loss_scale",
@@ -132,6 +141,7 @@ __all__ = [
     "global_replica_array",
     "local_sgd",
     "initialize_multihost",
+    "kind_name",
     "mesh_hierarchy",
     "mlbench_loss_scale",
     "mpi_hierarchy",

@@ -39,6 +39,19 @@ def payload_bytes(tree: PyTree, dtype: Any = None) -> int:
     return total
 
 
+def dtype_label(tree: PyTree, dtype: Any = None) -> str:
+    """The dtype part of a ledger kind: ``dtype``'s name, or the sorted names of the leaves'
+    dtypes joined by ``+`` (``"bfloat16+float32"``)."""
+    if dtype is not None:
+        return jnp.dtype(dtype).name
+    return "+".join(sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(tree)})) or "none"
+
+
+def kind_name(collective: str, tree: PyTree, dtype: Any = None) -> str:
+    """A ledger kind ``"<collective>[<dtype label>]"`` for sending ``tree`` (as ``dtype``)."""
+    return f"{collective}[{dtype_label(tree, dtype)}]"
+
+
 @jax.tree_util.register_pytree_node_class
 class CommLedger:
     """Per-kind event counters (dynamic, int32) with the static payload of one event of each kind.

@@ -6,7 +6,9 @@ tests/test_mpi.py) each process keeps one device, only the ``harness`` tests are
 run on the ``mpi`` harness.
 """
 
+import json
 import os
+from pathlib import Path
 
 UNDER_MPI = os.environ.get("OPTAXDIST_MPI") == "1"
 if not UNDER_MPI:
@@ -37,6 +39,24 @@ def harness(request):
     if request.param == "mesh":
         return MeshHarness(HARNESS_N)
     return MpiHarness()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under mpirun, each rank writes its result to $OPTAXDIST_MPI_RESULTS/rank<r>.json (read by
+    tests/test_mpi.py: the ranks' terminal output interleaves)."""
+    out = os.environ.get("OPTAXDIST_MPI_RESULTS")
+    if not (UNDER_MPI and out):
+        return
+    from mpi4py import MPI
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    stats = reporter.stats if reporter else {}
+    result = {
+        "exitstatus": int(exitstatus),
+        "passed": len(stats.get("passed", [])),
+        "failed": len(stats.get("failed", [])) + len(stats.get("error", [])),
+    }
+    Path(out, f"rank{MPI.COMM_WORLD.Get_rank()}.json").write_text(json.dumps(result))
 
 
 def pytest_collection_modifyitems(config, items):

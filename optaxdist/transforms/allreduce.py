@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxdist.accounting import CommLedger, payload_bytes
+from optaxdist.accounting import CommLedger, kind_name, payload_bytes
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 
 REDUCE_OPS = ("mean", "sum", "custom")
@@ -24,13 +24,6 @@ class AllReduceState(NamedTuple):
     """State of ``allreduce``: only the ledger of what was sent (replicated)."""
 
     allreduce_ledger: CommLedger
-
-
-def _kind(op: str, wire_dtype: Any, tree: Any) -> str:
-    if wire_dtype is None:
-        dtypes = sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(tree)}) or ["none"]
-        return f"{op}[{'+'.join(dtypes)}]"
-    return f"{op}[{jnp.dtype(wire_dtype).name}]"
 
 
 def allreduce(
@@ -100,7 +93,7 @@ def allreduce(
         raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
 
     def init_fn(params):
-        kind = _kind("all_reduce", wire_dtype, params)
+        kind = kind_name("all_reduce", params, wire_dtype)
         return AllReduceState(CommLedger.create({kind: payload_bytes(params, wire_dtype)}))
 
     def update_fn(updates, state, params=None, *, denominator=None, **extra):
@@ -120,7 +113,7 @@ def allreduce(
         reduced = comm.psum(jax.tree.map(prepare, updates), dtype=wire_dtype)
         if not divide_before:
             reduced = jax.tree.map(lambda g: g / denom.astype(g.dtype), reduced)
-        kind = _kind("all_reduce", wire_dtype, updates)
+        kind = kind_name("all_reduce", updates, wire_dtype)
         return reduced, AllReduceState(state.allreduce_ledger.record(kind))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -161,7 +154,7 @@ def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTr
         raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
 
     def init_fn(params):
-        kind = _kind("param_average", wire_dtype, params)
+        kind = kind_name("param_average", params, wire_dtype)
         return AverageParamsState(CommLedger.create({kind: payload_bytes(params, wire_dtype)}))
 
     def update_fn(updates, state, params=None, **extra):
@@ -171,7 +164,7 @@ def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTr
         local = optax.apply_updates(params, updates)
         averaged = comm.pmean(local, dtype=wire_dtype)
         new_updates = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), averaged, params)
-        kind = _kind("param_average", wire_dtype, params)
+        kind = kind_name("param_average", params, wire_dtype)
         return new_updates, AverageParamsState(state.average_params_ledger.record(kind))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms.allreduce import _kind
 
 NO_GROUP = -1
 FIRST_CYCLES = ("max_global_skips", "heat")
@@ -298,12 +297,12 @@ def daso(
 
     def kinds(params) -> dict[str, int]:
         out = {
-            _kind("local:all_reduce", None, params): payload_bytes(params),
-            _kind("local:broadcast", None, params): payload_bytes(params),
-            _kind("global:all_reduce", low, params): payload_bytes(params, low),
+            kind_name("local:all_reduce", params): payload_bytes(params),
+            kind_name("local:broadcast", params): payload_bytes(params),
+            kind_name("global:all_reduce", params, low): payload_bytes(params, low),
         }
         if two_wires:
-            out[_kind("global:all_reduce", cycle_wire, params)] = payload_bytes(params, cycle_wire)
+            out[kind_name("global:all_reduce", params, cycle_wire)] = payload_bytes(params, cycle_wire)
         out.update({LOSS_LOCAL_KIND: 8, LOSS_GLOBAL_KIND: 8, AGREE_LOCAL_KIND: 4, AGREE_GLOBAL_KIND: 4})
         return out
 
@@ -379,7 +378,7 @@ def daso(
 
         # ---- 1. intra-node gradient averaging (decided by the previous step) ----
         if G > 1:
-            grad_kind = _kind("local:all_reduce", None, updates)
+            grad_kind = kind_name("local:all_reduce", updates)
 
             def average_grads(operand):
                 g, led = operand
@@ -397,7 +396,7 @@ def daso(
 
         # ---- 3. send: every group all-reduces over global_comm; group send_group keeps it ----
         def send(wire):
-            kind = _kind("global:all_reduce", wire, params)
+            kind = kind_name("global:all_reduce", params, wire)
 
             def branch(operand):
                 _, led = operand
@@ -427,7 +426,7 @@ def daso(
         sent, ledger = jax.lax.switch(send_index, send_branches, (s.pending_sum, ledger))
 
         # ---- 4. merge the older pending send, broadcast within the node ----
-        bcast_kind = _kind("local:broadcast", None, params)
+        bcast_kind = kind_name("local:broadcast", params)
 
         def broadcast_from(tree, root, led):
             if G == 1:

@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._start import check_identical_start, start_kinds
-from optaxdist.transforms.allreduce import _kind
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
 
@@ -125,14 +124,14 @@ def local_sgd(
     inner = optax.with_extra_args_support(inner)
 
     def kinds(params, inner_state):
-        out = {_kind("param_average", wire, params): payload_bytes(params, wire)}
+        out = {kind_name("param_average", params, wire): payload_bytes(params, wire)}
         if local_comm is not None:
-            out[_kind("local_param_average", wire, params)] = payload_bytes(params, wire)
+            out[kind_name("local_param_average", params, wire)] = payload_bytes(params, wire)
         if warmup_steps:
-            out[_kind("all_reduce", wire, params)] = payload_bytes(params, wire)
+            out[kind_name("all_reduce", params, wire)] = payload_bytes(params, wire)
         if average_inner_state and _float_leaves(inner_state):
             floats = _float_leaves(inner_state)
-            out[_kind("inner_state_average", wire, floats)] = payload_bytes(floats, wire)
+            out[kind_name("inner_state_average", floats, wire)] = payload_bytes(floats, wire)
         return out | start_kinds(check_start, params)
 
     def init_fn(params):
@@ -154,7 +153,8 @@ def local_sgd(
             updates, ledger = jax.lax.cond(
                 warm,
                 lambda: per_replica(
-                    (comm.pmean(updates, dtype=wire), ledger.record(_kind("all_reduce", wire, updates))), comm
+                    (comm.pmean(updates, dtype=wire), ledger.record(kind_name("all_reduce", updates, wire))),
+                    comm,
                 ),
                 lambda: per_replica((updates, ledger), comm),
             )
@@ -173,10 +173,10 @@ def local_sgd(
                 local = optax.apply_updates(params, u)
                 target = group.pmean(local, dtype=wire)
                 u = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), target, params)
-                led = led.record(_kind(kind_prefix, wire, params))
+                led = led.record(kind_name(kind_prefix, params, wire))
                 if average_inner_state and _float_leaves(inner_s):
                     inner_s = _average_floats(inner_s, group, wire)
-                    led = led.record(_kind("inner_state_average", wire, _float_leaves(inner_s)))
+                    led = led.record(kind_name("inner_state_average", _float_leaves(inner_s), wire))
                 return per_replica((u, inner_s, led), comm)
 
             return branch

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.accounting import CommLedger, dtype_label, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
 from optaxdist.transforms._start import check_identical_start, start_kinds
 from optaxdist.transforms.outer import diloco_outer_optimizer
@@ -77,8 +77,7 @@ def _resolve(spec, params) -> Partition:
 
 
 def _kind(index: int, leaves: Sequence[Any], what: str = "partition") -> str:
-    dtypes = "+".join(sorted({jnp.dtype(x.dtype).name for x in leaves}))
-    return f"all_reduce[{what}{index}:{dtypes}]"
+    return f"all_reduce[{what}{index}:{dtype_label(leaves)}]"
 
 
 class PartialAverageState(NamedTuple):
