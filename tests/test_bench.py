@@ -5,6 +5,7 @@ Timings are never asserted (benchmarks are not tests); only structure and exact 
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -51,6 +52,7 @@ def test_record_fields(record):
     for r in record["results"]:
         for field in (
             "final_train_loss",
+            "final_test_loss",
             "test_accuracy",
             "steps",
             "bytes_per_replica",
@@ -62,9 +64,10 @@ def test_record_fields(record):
         ):
             assert field in r
         assert r["steps"] == STEPS
-        assert np.isfinite(r["final_train_loss"])
+        assert np.isfinite(r["final_train_loss"]) and np.isfinite(r["final_test_loss"])
         assert r["curve"]["step"] == [0, 10, 20]
-        assert len(r["curve"]["train_loss"]) == 3
+        assert len(r["curve"]["train_loss"]) == len(r["curve"]["test_loss"]) == 3
+        assert r["curve"]["test_loss"][-1] < r["curve"]["test_loss"][0]
     assert record["cost_model"]["network"] == "100Gb"
     for name in ("loss_vs_step", "loss_vs_bytes", "loss_vs_modelled_time"):
         assert (record["_out"] / f"bench_digits_iid_{name}.png").stat().st_size > 0
@@ -240,3 +243,84 @@ def test_help_lists_the_bench_options(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "--algorithms" in out and "topk-1%" in out and "--network" in out
+
+
+def test_cli_rejects_bad_schedule_and_outer_settings(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--schedule", "linear", "--quiet", "--out", ""])
+    assert info.value.code == 2
+    assert "--schedule" in capsys.readouterr().err
+    assert main(["--outer-momentum", "1.0", "--quiet", "--out", ""]) == 2
+    assert "outer_momentum=1.0 must be in [0, 1)" in capsys.readouterr().err
+    assert main(["--outer-lr", "0", "--quiet", "--out", ""]) == 2
+    assert "outer_lr=0.0 must be > 0" in capsys.readouterr().err
+
+
+def test_learning_rate_schedule():
+    from optaxdist.bench.algorithms import learning_rate_schedule
+
+    assert learning_rate_schedule(0.1, "constant", 100) == 0.1
+    sched = learning_rate_schedule(0.1, "warmup-cosine", 200)
+    np.testing.assert_allclose([sched(0), sched(5), sched(10), sched(200)], [0.0, 0.05, 0.1, 0.01], rtol=1e-6)
+    assert 0.01 < sched(105) < 0.1
+    with pytest.raises(ValueError, match="schedule='step'; allowed"):
+        learning_rate_schedule(0.1, "step", 100)
+
+
+def test_diloco_rows_use_the_outer_settings():
+    import jax.numpy as jnp
+
+    import optaxdist
+    from optaxdist.bench.algorithms import BenchContext
+
+    ctx = BenchContext(2, optaxdist.axis_hierarchy(1, 2), 10, 0.1)
+    custom = ctx._replace(outer_lr=1.0, outer_momentum=0.0)
+    g = {"w": jnp.ones(3)}
+    for c, expected in ((ctx, -0.7 * 1.9), (custom, -1.0)):  # Nesterov: -lr·(1 + μ)·g on step 1
+        tx = c.diloco_outer()
+        u, _ = tx.update(g, tx.init(g))
+        np.testing.assert_allclose(u["w"], expected, rtol=1e-6)
+
+
+def test_charlm_windows_and_a_short_run(tmp_path):
+    from optaxdist.bench.charlm import load_charlm, pydoc_text
+
+    data = load_charlm(seq_len=32)
+    text = pydoc_text()
+    n = len(text) // 33
+    assert len(data.y_train) + len(data.y_test) == n
+    assert len(data.y_test) == round(0.1 * n)
+    np.testing.assert_array_equal(data.x_train[:, 1:], data.y_train[:, :-1])  # y is x shifted by one
+    vocab = sorted(set(text))
+    assert data.num_classes == len(vocab)
+    assert "".join(vocab[i] for i in data.x_train[0]) == text[:32]
+
+    # optax's Adam bias correction raises a Python float to an int32 power: not strict-promotion clean.
+    with jax.numpy_dtype_promotion("standard"):
+        rc = main(
+            [
+                "bench",
+                *(
+                    "--dataset",
+                    "charlm",
+                    "--optimizer",
+                    "adamw",
+                    "--lr",
+                    "3e-3",
+                    "--schedule",
+                    "warmup-cosine",
+                ),
+                *("--algorithms", "allreduce-fp32,diloco-50", "--steps", "50", "--replicas", "2"),
+                *("--batch-size", "2", "--log-every", "25", "--out", str(tmp_path), "--no-plots", "--quiet"),
+            ]
+        )
+    assert rc == 0
+    with open(tmp_path / "bench_charlm_iid.json") as f:
+        rec = json.load(f)
+    assert rec["config"]["schedule"] == "warmup-cosine"
+    ar, dl = rec["results"]
+    p = rec["model"]["parameters"]
+    assert ar["bytes_per_replica"] == 4 * p * 50
+    assert dl["bytes_by_kind"]["all_reduce[float32]"] == {"collectives": 1, "bytes": 4 * p}
+    for r in (ar, dl):
+        assert r["curve"]["test_loss"][-1] < r["curve"]["test_loss"][0]

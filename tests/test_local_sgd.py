@@ -123,26 +123,41 @@ def test_hierarchical_levels():
     x = np.arange(nodes * local, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
 
     def run(p):
-        s = tx.init(p)
+        s, bn = tx.init(p), p  # bn: model state (BatchNorm statistics), here the starting values
         out = []
         for _ in range(4):
             u, s = tx.update(jnp.zeros_like(p), s, p)
             p = optax.apply_updates(p, u)
-            out.append((p, s.sync_level))
+            out.append((p, s.sync_level, od.sync_model_state(bn, s, comm=h.world, local_comm=h.local)))
         return out, s
 
     sim = od.simulate(run, axis_name=("node", "local"), shape=(nodes, local))(x)
     mh = od.mesh_hierarchy(nodes, local)
     mesh = od.on_mesh(run, mh.mesh)(x)
     for out, state in (sim, mesh):
-        levels = [int(lv[0]) for _, lv in out]
+        levels = [int(lv[0]) for _, lv, _ in out]
         assert levels == [0, 1, 0, 2]
         node_mean = np.repeat(x.reshape(nodes, local, 2).mean(1), local, axis=0)
         np.testing.assert_allclose(out[1][0], node_mean)
         np.testing.assert_allclose(out[3][0], np.broadcast_to(x.mean(0), x.shape))
+        # the model state follows the same levels: unchanged, node mean, unchanged, global mean
+        for (_, _, bn), want in zip(out, [x, node_mean, x, np.broadcast_to(x.mean(0), x.shape)]):
+            np.testing.assert_allclose(bn, want)
         stats = sync_stats(state)
         assert stats["local_param_average[float32]"].collectives == 1
         assert stats["param_average[float32]"].collectives == 1
+
+
+def test_sync_model_state_needs_the_node_comm_of_a_two_level_local_sgd():
+    h = od.axis_hierarchy(2, 2)
+    tx = od.local_sgd(optax.sgd(1.0), comm=h.world, period=4, local_comm=h.local, local_period=2)
+
+    def step(p):
+        _, s = tx.update(p, tx.init(p), p)
+        return od.sync_model_state(p, s, comm=h.world)
+
+    with pytest.raises(ValueError, match="pass the same local_comm to sync_model_state"):
+        od.simulate(step, axis_name=("node", "local"), shape=(2, 2))(np.zeros((4, 2), np.float32))
 
 
 def test_diloco_with_sgd_one_equals_local_sgd(harness):
@@ -265,6 +280,60 @@ def test_diloco_defaults_and_compressed_pseudo_gradients(harness):
     del n
 
 
+def poisoned_run(harness, tx, poison, steps):
+    """``steps`` steps of ``tx`` on the least-squares problem; ``poison[i, t]`` multiplies replica
+    ``i``'s gradient at step ``t``. Returns the final params, state and the params before each step."""
+    from tests.test_loss_scale import scan_steps
+
+    xs, ys = replica_data(harness.n, steps)
+    params0 = od.replicate(jax.tree.map(jnp.asarray, init_params()), harness.n)
+    run = lambda p, x, y, b: scan_steps(tx, p, x, y, b)
+    p, s, (p_before, _, _) = harness.run(run, params0, np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1), poison)
+    return p, s, p_before
+
+
+def finite_tree(tree) -> bool:
+    return all(np.isfinite(x).all() for x in jax.tree.leaves(tree) if np.issubdtype(x.dtype, np.inexact))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda c, n: od.local_sgd(optax.sgd(LR), comm=c, period=4),
+        lambda c, n: od.local_sgd(optax.sgd(LR), comm=c, period=4, average_inner_state=True),
+        lambda c, n: od.diloco(optax.sgd(LR), comm=c, period=4),
+        lambda c, n: od.diloco(optax.sgd(LR), comm=c, period=4, num_shards=n),
+        lambda c, n: od.slowmo(optax.sgd(LR), comm=c, period=4, learning_rate=LR),
+        lambda c, n: od.partial_average(optax.sgd(LR), comm=c),
+        lambda c, n: od.streaming_diloco(optax.sgd(LR), comm=c, period=4, num_fragments=2),
+        lambda c, n: od.decentralized_sgd(optax.sgd(LR), comm=c, topology=od.topology.ring(n)),
+        lambda c, n: od.sgp(optax.sgd(LR), comm=c, topology=od.topology.exponential(n)),
+    ],
+    ids=[
+        "local_sgd",
+        "local_sgd_inner_avg",
+        "diloco",
+        "diloco_sharded",
+        "slowmo",
+        "partial_average",
+        "streaming_diloco",
+        "dpsgd",
+        "sgp",
+    ],
+)
+def test_nonfinite_gradient_skips_only_that_local_step(harness, make):
+    """A NaN/Inf gradient on one replica skips that replica's local step and nothing else: the
+    result equals the run where that gradient was zero (plain SGD), on every replica."""
+    n, steps = harness.n, 10
+    poison = np.ones((n, steps), np.float32)
+    poison[n - 1, 1], poison[0, 5] = np.nan, np.inf
+    p, s, _ = poisoned_run(harness, make(harness.comm, n), poison, steps)
+    zeroed = np.where(np.isfinite(poison), poison, 0.0).astype(np.float32)
+    ref, _, _ = poisoned_run(harness, make(harness.comm, n), zeroed, steps)
+    assert finite_tree(p) and finite_tree(s)
+    close(p, ref, atol=1e-6)
+
+
 def test_bad_arguments():
     comm = od.AxisComm("replica")
     with pytest.raises(ValueError, match="period="):
@@ -279,8 +348,16 @@ def test_bad_arguments():
         od.diloco(optax.sgd(0.1), comm=comm, period=0)
     with pytest.raises(ValueError, match="num_shards"):
         od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, memory_efficient=True)
-    with pytest.raises(ValueError, match="momentum="):
-        od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, momentum=-1.0)
+    for momentum in (-1.0, 1.0):
+        with pytest.raises(ValueError, match=r"momentum=.* must be in \[0, 1\)"):
+            od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, momentum=momentum)
+    for lr in (0.0, -0.1):
+        with pytest.raises(ValueError, match="learning_rate=.* must be > 0"):
+            od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=lr)
+    with pytest.raises(ValueError, match=r"every leaf must be floating point, got int32 at \['step'\]"):
+        od.diloco(optax.sgd(0.1), comm=comm, period=2).init(
+            {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
+        )
     with pytest.raises(ValueError, match="can't be combined"):
         od.outer_sync(
             optax.sgd(0.1), optax.sgd(1.0), comm=comm, period=2, num_shards=2, reducer=od.allreduce(comm=comm)

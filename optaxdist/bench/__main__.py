@@ -13,6 +13,7 @@ from optaxdist.bench.algorithms import (
     ALGORITHM_GROUPS,
     ALGORITHMS,
     DEFAULT_ALGORITHMS,
+    SCHEDULES,
     expand_names,
 )
 from optaxdist.bench.data import DATASETS, SHARDINGS
@@ -58,6 +59,15 @@ def _parser() -> argparse.ArgumentParser:
         default="sgd",
         help="the local optimizer every algorithm wraps",
     )
+    b.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="constant",
+        help="learning rate of the local optimizer: constant, or linear warm-up over 5%% of the "
+        "steps then cosine decay to lr/10",
+    )
+    b.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo rows: outer Nesterov SGD lr")
+    b.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo rows: outer momentum")
     b.add_argument("--hidden", default="128,128", help="MLP hidden widths")
     b.add_argument(
         "--algorithms",
@@ -225,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             lr=args.lr,
             momentum=args.momentum,
             optimizer=args.optimizer,
+            schedule=args.schedule,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
             hidden=parse_hidden(args.hidden),
             algorithms=expand_names(args.algorithms),
             network=args.network,

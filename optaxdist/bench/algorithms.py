@@ -29,7 +29,13 @@ class BenchContext(NamedTuple):
     replicas: int
     hierarchy: optaxdist.Hierarchy  # node-local and cross-node groups (``('node', 'local')`` axes)
     steps: int
-    lr: float
+    lr: optax.ScalarOrSchedule  # the local optimizer's learning rate (SlowMo needs it)
+    outer_lr: float = 0.7  # DiLoCo rows' outer Nesterov SGD
+    outer_momentum: float = 0.9
+
+    def diloco_outer(self) -> optax.GradientTransformation:
+        """The DiLoCo rows' outer optimizer: Nesterov SGD with ``outer_lr`` and ``outer_momentum``."""
+        return optaxdist.diloco_outer_optimizer(self.outer_lr, self.outer_momentum)
 
 
 Factory = Callable[[Communicator, optax.GradientTransformation, BenchContext], optax.GradientTransformation]
@@ -156,8 +162,8 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
     *(
         Algorithm(
             f"diloco-{h}",
-            lambda comm, local, ctx, h=h: optaxdist.diloco(local, comm=comm, period=h),
-            f"DiLoCo, H = {h}, outer Nesterov SGD 0.7 / 0.9",
+            lambda comm, local, ctx, h=h: optaxdist.diloco(local, ctx.diloco_outer(), comm=comm, period=h),
+            f"DiLoCo, H = {h}, outer Nesterov SGD (default lr 0.7, momentum 0.9)",
         )
         for h in (50, 100)
     ),
@@ -165,6 +171,7 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
         "diloco-50-topk10%",
         lambda comm, local, ctx: optaxdist.diloco(
             local,
+            ctx.diloco_outer(),
             comm=comm,
             period=50,
             reducer=optaxdist.compressed_allreduce(C.top_k(fraction=0.1), comm=comm, scope="model"),
@@ -173,7 +180,9 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
     ),
     Algorithm(
         "streaming-diloco-50",
-        lambda comm, local, ctx: optaxdist.streaming_diloco(local, comm=comm, period=50, num_fragments=2),
+        lambda comm, local, ctx: optaxdist.streaming_diloco(
+            local, ctx.diloco_outer(), comm=comm, period=50, num_fragments=2
+        ),
         "Streaming DiLoCo, H = 50, 2 staggered fragments",
     ),
     Algorithm(
@@ -314,9 +323,22 @@ def expand_names(names: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 
 OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("constant", "warmup-cosine")
 
 
-def local_optimizer(lr: float, momentum: float = 0.9, optimizer: str = "sgd") -> optax.GradientTransformation:
+def learning_rate_schedule(lr: float, schedule: str, steps: int) -> optax.ScalarOrSchedule:
+    """``constant``: ``lr``; ``warmup-cosine``: linear warm-up from 0 over the first 5 % of
+    ``steps``, then cosine decay to ``lr / 10`` at ``steps``."""
+    if schedule == "constant":
+        return lr
+    if schedule != "warmup-cosine":
+        raise ValueError(f"schedule={schedule!r}; allowed: {SCHEDULES}")
+    return optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 20, 1), steps, end_value=lr / 10)
+
+
+def local_optimizer(
+    lr: optax.ScalarOrSchedule, momentum: float = 0.9, optimizer: str = "sgd"
+) -> optax.GradientTransformation:
     """The local optimizer every algorithm wraps: ``optax.sgd`` (no momentum when it is 0), or
     ``optax.adamw`` (β₂ 0.99, weight decay 0.01; ``momentum`` is β₁)."""
     if optimizer == "adamw":

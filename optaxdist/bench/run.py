@@ -4,7 +4,7 @@ Each replica draws its own minibatches (uniformly, with replacement, from its sh
 derived from ``(seed, step, replica)``; all algorithms start from the same parameters. The
 simulated step (``optaxdist.simulate``: ``jax.vmap`` over the axis ``"replica"``) runs
 ``log_every`` steps per call of one jitted ``fori_loop``; after each call the train loss on the
-whole training set and the test accuracy of replica 0's parameters are recorded.
+whole training set, the test loss and the test accuracy of replica 0's parameters are recorded.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ from optaxdist.bench import cost
 from optaxdist.bench.algorithms import (
     DEFAULT_ALGORITHMS,
     OPTIMIZERS,
+    SCHEDULES,
     Algorithm,
     BenchContext,
     get_algorithms,
+    learning_rate_schedule,
     local_optimizer,
 )
 from optaxdist.bench.charlm import CharTransformer
@@ -53,6 +55,9 @@ class BenchConfig:
     lr: float = 0.05
     momentum: float = 0.9
     optimizer: str = "sgd"
+    schedule: str = "constant"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     hidden: tuple[int, ...] = (128, 128)
     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
     network: str = "10GbE"
@@ -75,6 +80,12 @@ class BenchConfig:
             raise ValueError(f"nodes={nodes} must divide replicas={self.replicas}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}; allowed: {OPTIMIZERS}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}; allowed: {SCHEDULES}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"outer_lr={self.outer_lr!r} must be > 0")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum={self.outer_momentum!r} must be in [0, 1)")
         cost.get_network(self.network)
         get_algorithms(list(self.algorithms))
 
@@ -108,8 +119,9 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
     # ones (DASO, node-level local SGD) its two levels.
     nodes = 1 if algo.single else cfg.num_nodes
     hierarchy = optaxdist.axis_hierarchy(nodes, n // nodes)
-    ctx = BenchContext(replicas=n, hierarchy=hierarchy, steps=cfg.steps, lr=cfg.lr)
-    tx = algo.make(hierarchy.world, local_optimizer(cfg.lr, cfg.momentum, cfg.optimizer), ctx)
+    lr = learning_rate_schedule(cfg.lr, cfg.schedule, cfg.steps)
+    ctx = BenchContext(n, hierarchy, cfg.steps, lr, cfg.outer_lr, cfg.outer_momentum)
+    tx = algo.make(hierarchy.world, local_optimizer(lr, cfg.momentum, cfg.optimizer), ctx)
 
     def replica_step(params, opt_state, x, y, key):
         idx = jax.random.randint(key, (batch,), 0, x.shape[0])
@@ -136,7 +148,11 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
         p0 = jax.tree.map(lambda a: a[0], params)
         xtr, ytr = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
         xte, yte = jnp.asarray(data.x_test), jnp.asarray(data.y_test)
-        return cross_entropy(model, p0, xtr, ytr), accuracy(model, p0, xte, yte)
+        return (
+            cross_entropy(model, p0, xtr, ytr),
+            cross_entropy(model, p0, xte, yte),
+            accuracy(model, p0, xte, yte),
+        )
 
     params = optaxdist.replicate(params0, n)
     opt_state = jax.vmap(tx.init)(params)
@@ -149,10 +165,11 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
     )
     compile_s = time.perf_counter() - t0
 
-    loss0, acc0 = evaluate(params)
+    loss0, test_loss0, acc0 = evaluate(params)
     curve = {
         "step": [0],
         "train_loss": [float(loss0)],
+        "test_loss": [float(test_loss0)],
         "test_accuracy": [float(acc0)],
         "bytes": [0],
         "minibatch_loss": [None],
@@ -165,9 +182,10 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
         jax.block_until_ready((params, opt_state, mb_loss))
         per_step_s.append((time.perf_counter() - t) / count)
         step += count
-        loss, acc = evaluate(params)
+        loss, test_loss, acc = evaluate(params)
         curve["step"].append(step)
         curve["train_loss"].append(float(loss))
+        curve["test_loss"].append(float(test_loss))
         curve["test_accuracy"].append(float(acc))
         curve["bytes"].append(optaxdist.comm_stats(opt_state).bytes)
         curve["minibatch_loss"].append(float(mb_loss))
@@ -193,6 +211,7 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
         "batch_per_replica": batch,
         "steps": cfg.steps,
         "final_train_loss": curve["train_loss"][-1],
+        "final_test_loss": curve["test_loss"][-1],
         "test_accuracy": curve["test_accuracy"][-1],
         "bytes_per_replica": stats.bytes,
         "intra_node_bytes_per_replica": intra_bytes,
@@ -311,6 +330,7 @@ def format_table(record: dict[str, Any]) -> str:
     header = [
         "algorithm",
         "train loss",
+        "test loss",
         "test acc",
         "steps",
         "MB sent/replica",
@@ -327,6 +347,7 @@ def format_table(record: dict[str, Any]) -> str:
             [
                 r["algorithm"],
                 f"{r['final_train_loss']:.4f}",
+                f"{r['final_test_loss']:.4f}",
                 f"{r['test_accuracy']:.4f}",
                 str(r["steps"]),
                 _fmt_bytes(r["bytes_per_replica"]),

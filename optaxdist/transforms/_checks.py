@@ -1,6 +1,18 @@
-"""Validation shared by the SGD-like local optimizers."""
+"""Checks shared by the transforms: SGD hyperparameters, floating-point leaves, finite local steps."""
 
 from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxdist.accounting import keep_ledgers
+
+
+def all_finite(tree) -> jax.Array:
+    """True iff every floating-point element of ``tree`` is finite (other leaves count as finite)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
 
 
 def check_sgd_hyperparameters(
@@ -14,3 +26,33 @@ def check_sgd_hyperparameters(
         raise ValueError(f"weight_decay={weight_decay!r} must be ≥ 0")
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
+
+
+def check_float_leaves(tree, transform: str) -> None:
+    """Raise ``ValueError`` naming the first leaf of ``tree`` that is not floating point."""
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+            raise ValueError(
+                f"{transform} averages parameters: every leaf must be floating point, got "
+                f"{jnp.result_type(x).name} at {jax.tree_util.keystr(path) or 'the root'}"
+            )
+
+
+def finite_local_step(
+    inner: optax.GradientTransformationExtraArgs, updates, inner_state, params, **extra
+) -> tuple[optax.Updates, optax.OptState]:
+    """``inner.update`` on this replica, or no step at all (zero updates, ``inner_state`` kept)
+    when the inner update has a non-finite element (as it does when a plain optimizer is given a
+    non-finite gradient).
+
+    The decision is local: nothing is sent, and since the non-finite values never enter this
+    replica's parameters or state, no later average carries them to another replica. Only the
+    update is checked, so an inner that handles non-finite gradients itself
+    (``dynamic_loss_scale``: zero updates, scale backed off) keeps its new state. Ledgers in the
+    inner state keep counting (an inner collective that ran still sent its bytes).
+    """
+    new_updates, new_state = inner.update(updates, inner_state, params, **extra)
+    ok = all_finite(new_updates)
+    new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
+    kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, inner_state)
+    return new_updates, keep_ledgers(kept, new_state)

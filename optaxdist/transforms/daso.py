@@ -22,6 +22,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.transforms._checks import finite_local_step
 
 NO_GROUP = -1
 FIRST_CYCLES = ("max_global_skips", "heat")
@@ -391,7 +392,7 @@ def daso(
         # ---- 2. local step ----
         if value is not None:
             extra = extra | {"value": value}
-        local_updates, inner_state = inner.update(updates, s.inner_state, params, **extra)
+        local_updates, inner_state = finite_local_step(inner, updates, s.inner_state, params, **extra)
         local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, local_updates)
 
         # ---- 3. send: every group all-reduces over global_comm; group send_group keeps it ----

@@ -22,6 +22,7 @@ import optax
 from optaxdist.accounting import CommLedger, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
 from optaxdist.topology import Topology
+from optaxdist.transforms._checks import finite_local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 
 PERMUTE_KIND = "permute[params]"
@@ -160,7 +161,7 @@ def decentralized_sgd(
         _check_size(comm, topo)
         t = state.gossip_step
         ledger = check_identical_start(check_start, params, t, state.gossip_ledger, comm)
-        u, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        u, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
         leaves, treedef = jax.tree.flatten(optax.apply_updates(params, u))
 
         def gossip(led):
@@ -290,7 +291,7 @@ def sgp(
         _check_size(comm, topology)
         t, w = state.gossip_step, state.ps_weight
         ledger = check_identical_start(check_start, params, t, state.gossip_ledger, comm)
-        u, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        u, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
         p_leaves, treedef = jax.tree.flatten(params)
         numerator = [
             (z.astype(jnp.float32) * w + d.astype(jnp.float32)) for z, d in zip(p_leaves, jax.tree.leaves(u))

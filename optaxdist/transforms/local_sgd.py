@@ -11,6 +11,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.transforms._checks import finite_local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
@@ -82,7 +83,8 @@ def local_sgd(
       on each node sync one all-reduce of ``P`` over ``local_comm`` (``local_param_average[...]``);
       during warm-up one all-reduce of the gradients per step (``all_reduce[...]``); with
       ``average_inner_state`` one all-reduce of the inner state's float leaves per sync
-      (``inner_state_average[...]``). Per step on average: ``P / period``. Syncs run inside
+      (``inner_state_average[...]``). Per step on average: ``P / period`` over ``comm`` (plus
+      ``P / local_period`` over ``local_comm``, plus the inner state per sync). Syncs run inside
       ``lax.switch`` on the replicated step counter: nothing is sent on other steps.
 
     Args:
@@ -158,7 +160,7 @@ def local_sgd(
                 ),
                 lambda: per_replica((updates, ledger), comm),
             )
-        local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        local_updates, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
 
         s = t - warmup_steps + 1
         level = jnp.where(s % period == 0, GLOBAL_SYNC, NO_SYNC)
@@ -199,9 +201,9 @@ def local_sgd(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _sync_levels(opt_state: Any) -> list[jax.Array]:
+def _local_sgd_states(opt_state: Any) -> list[LocalSgdState]:
     is_state = lambda x: isinstance(x, LocalSgdState)
-    return [s.sync_level for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
 
 
 def sync_model_state(
@@ -215,12 +217,19 @@ def sync_model_state(
     just averaged the parameters: over ``comm`` after a global sync, over ``local_comm`` after a
     node-local one; unchanged otherwise. Call it after ``update`` with the new ``opt_state``.
 
-    Communication: one all-reduce of the float leaves of ``model_state`` on sync steps only.
+    Communication: one all-reduce of the float leaves of ``model_state`` on sync steps only. This
+    function has no state of its own, so these bytes are not in the optimizer's ledger.
     """
-    levels = _sync_levels(opt_state)
-    if len(levels) != 1:
-        raise ValueError(f"found {len(levels)} local_sgd states in opt_state; expected one")
-    level = levels[0]
+    states = _local_sgd_states(opt_state)
+    if len(states) != 1:
+        raise ValueError(f"found {len(states)} local_sgd states in opt_state; expected one")
+    node_level = any(k.startswith("local_param_average") for k in states[0].local_sgd_ledger.kinds)
+    if node_level and local_comm is None:
+        raise ValueError(
+            "local_sgd averages within the node (local_comm=...): pass the same local_comm to "
+            "sync_model_state, or the node-level syncs would leave model_state unaveraged"
+        )
+    level = states[0].sync_level
     branches = [
         lambda x: comm.varying(x),
         (lambda x: comm.varying(_average_floats(x, local_comm, None)))

@@ -16,6 +16,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, keep_ledgers
 from optaxdist.comm.base import Communicator
+from optaxdist.transforms._checks import all_finite
 
 AGREE_KIND = "agree[int32]"
 _F32_TINY = float(np.finfo(np.float32).tiny)
@@ -37,11 +38,6 @@ class DynamicLossScaleState(NamedTuple):
     skipped_steps: jax.Array
     inner_state: optax.OptState
     loss_scale_ledger: CommLedger
-
-
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
 
 
 def _raise_min_scale(exhausted) -> None:
@@ -130,7 +126,7 @@ def dynamic_loss_scale(
         scale = state.loss_scale
         unscaled = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), updates)
         new_updates, new_inner = inner.update(unscaled, state.inner_state, params, **extra)
-        finite = _all_finite(unscaled) & _all_finite(new_updates)
+        finite = all_finite(unscaled) & all_finite(new_updates)
         ledger = state.loss_scale_ledger
         if comm is not None:
             finite = comm.agree(finite, op="all")

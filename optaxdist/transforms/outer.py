@@ -15,12 +15,11 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
+from optaxdist.transforms._checks import check_float_leaves, finite_local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 from optaxdist.transforms.allreduce import allreduce
-
-ANCHOR_KIND = "anchor_average[float32]"
 
 
 class OuterSyncState(NamedTuple):
@@ -62,6 +61,8 @@ def outer_sync(
       inner: the local optimizer.
       outer: the outer optimizer, applied to the averaged pseudo-gradient every ``period`` steps.
         Its ``update`` receives the extra argument ``inner_step`` (the 0-based step of the sync).
+        A local step whose update is not finite is skipped on that replica (see
+        ``finite_local_step``): non-finite gradients never reach any replica's state.
       comm: all replicas.
       period: inner steps between syncs (≥ 1).
       reducer: how the per-replica pseudo-gradients ``x₀ − x_i`` are averaged: any gradient
@@ -70,8 +71,9 @@ def outer_sync(
         with error feedback).
       num_shards: memory-efficient mode: shard ``x₀`` and the outer state over the ``num_shards``
         (= ``comm.size``) replicas; a sync is a reduce-scatter of the parameters, the outer update
-        on this replica's block, and an all-gather of the new anchor. Same numbers, ``1/W`` of the
-        outer memory. Incompatible with a custom ``reducer``.
+        on this replica's block, and an all-gather of the new anchor. Same numbers for element-wise
+        outer optimizers (SGD, Nesterov, Adam), ``1/W`` of the outer memory. Incompatible with a
+        custom ``reducer``.
       anchor_after_first_step: take ``x₀`` *after* the first local step (fairscale's behaviour:
         the first sync then covers ``period − 1`` steps) instead of before training. fairscale
         takes each process's own parameters, so its replicas' anchors differ; here it is their
@@ -94,7 +96,9 @@ def outer_sync(
     sharded = num_shards is not None
 
     def anchor_kind(params) -> dict[str, int]:
-        kinds = {ANCHOR_KIND: payload_bytes(params)} if anchor_after_first_step else {}
+        kinds = (
+            {kind_name("anchor_average", params): payload_bytes(params)} if anchor_after_first_step else {}
+        )
         return kinds | start_kinds(check_start, params)
 
     def block_size(params) -> tuple[int, int]:
@@ -103,9 +107,10 @@ def outer_sync(
         return size, block
 
     def init_fn(params):
+        check_float_leaves(params, "diloco/slowmo")
         inner_state = per_replica(inner.init(params), comm)
         if sharded:
-            size, block = block_size(params)
+            _, block = block_size(params)
             dtype = jnp.result_type(*jax.tree.leaves(params))
             # Filled from the parameters on the first update, where this replica's index is known.
             anchor = jnp.zeros((block,), dtype)
@@ -147,7 +152,7 @@ def outer_sync(
         if sharded and comm.size != num_shards:
             raise ValueError(f"num_shards={num_shards} must equal the group size {comm.size}")
         t = state.outer_step
-        local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        local_updates, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
         local = optax.apply_updates(params, local_updates)
 
         anchor = state.anchor_params
@@ -161,12 +166,16 @@ def outer_sync(
                     anchor = my_block(ravel_pytree(mean)[0], block_size(params)[1])
                 else:
                     anchor = mean
-                return per_replica((anchor, ledger.record(ANCHOR_KIND)), comm)
+                return per_replica((anchor, ledger.record(kind_name("anchor_average", params))), comm)
 
             anchor, ledger = jax.lax.cond(t == 0, first, lambda o: per_replica(o, comm), (anchor, ledger))
-        elif sharded:
-            flat_params, _ = ravel_pytree(params)
-            anchor = jnp.where(t == 0, my_block(flat_params, block_size(params)[1]), anchor)
+        elif sharded:  # the anchor block is filled at step 0, where comm.index() is known
+            anchor = jax.lax.cond(
+                t == 0,
+                lambda a: per_replica(my_block(ravel_pytree(params)[0], block_size(params)[1]), comm),
+                lambda a: per_replica(a, comm),
+                anchor,
+            )
 
         def sync(operand):
             anchor, outer_state, reducer_state, ledger = operand
@@ -349,8 +358,10 @@ def slowmo(
       Wang, Tantia, Ballas, Rabbat, "SlowMo: Improving Communication-Efficient Distributed SGD with
       Slow Momentum", ICLR 2020. fairscale ``SlowMoDistributedDataParallel``.
     """
-    if momentum < 0:
-        raise ValueError(f"momentum={momentum!r} must be ≥ 0")
+    if not 0 <= momentum < 1:
+        raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
+    if not callable(learning_rate) and not learning_rate > 0:
+        raise ValueError(f"learning_rate={learning_rate!r} must be > 0 (SlowMo divides by it) or a schedule")
     if not slow_lr > 0:
         raise ValueError(f"slow_lr={slow_lr!r} must be > 0")
     if memory_efficient and num_shards is None:

@@ -20,6 +20,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, dtype_label, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
+from optaxdist.transforms._checks import finite_local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 from optaxdist.transforms.outer import diloco_outer_optimizer
 
@@ -143,7 +144,7 @@ def partial_average(
         if params is None:
             raise ValueError("partial_average needs params: call update(updates, state, params)")
         parts = _resolve(partitions, params)
-        local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        local_updates, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
         local = jax.tree.leaves(optax.apply_updates(params, local_updates))
         p_leaves, treedef = jax.tree.flatten(params)
 
@@ -211,9 +212,10 @@ def streaming_diloco(
     Fragment :math:`f` of :math:`F` syncs on steps :math:`t` with
     :math:`(t + 1 + f H / F) \bmod H = 0`. Its sync is DiLoCo's on its leaves only:
     :math:`\Delta_f = \frac1W\sum_i (x_{0,f} - x_{i,f})`, :math:`x_{0,f} \leftarrow x_{0,f} +
-    \mathrm{outer}_f(\Delta_f)`. The new anchor is merged ``delay`` steps later (communication
-    overlapping ``delay`` local steps) as :math:`x_{i,f} \leftarrow \alpha\, x_{i,f} + (1-\alpha)
-    x_{0,f}` with :math:`\alpha` = ``blend`` (0: replace).
+    \mathrm{outer}_f(\Delta_f)`. The new anchor is merged ``delay`` steps later (the paper's
+    overlap semantics; the all-reduce itself runs at the sync step) as
+    :math:`x_{i,f} \leftarrow \alpha\, x_{i,f} + (1-\alpha) x_{0,f}` with :math:`\alpha` = ``blend``
+    (0: replace).
 
     Communication: one all-reduce of one fragment's parameters on each fragment sync, i.e. the
     same ``P/H`` bytes per step on average as DiLoCo with ``F`` times lower peak (ledger
@@ -284,7 +286,7 @@ def streaming_diloco(
             raise ValueError("streaming_diloco needs params: call update(updates, state, params)")
         parts = parts_of(params)
         t = state.stream_step
-        local_updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+        local_updates, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
         p_leaves, treedef = jax.tree.flatten(params)
         local = jax.tree.leaves(optax.apply_updates(params, local_updates))
         anchor = jax.tree.leaves(state.anchor_params)
