@@ -798,6 +798,47 @@ def test_dynamic_loss_scale_composition(order):
         assert int(s.inner_state.skipped_steps[0]) == len(bad)
 
 
+def test_nonfinite_gradient_makes_its_node_skip_the_local_step():
+    """A NaN on one GPU reaches its node through the node-local gradient average; that node skips
+    the step (as if its gradients were zero, plain SGD) and nothing non-finite reaches any state."""
+    N, G, steps = 2, 2, 8
+    h = od.axis_hierarchy(N, G)
+    tx = daso(
+        optax.sgd(LR),
+        local_comm=h.local,
+        global_comm=h.cross,
+        steps_per_epoch=4,
+        total_epochs=2,
+        warmup_epochs=1,
+        cooldown_epochs=0,
+    )
+    xs, ys = replica_data(N * G, steps)
+
+    def run(poison):
+        def train(p, x, y, z):
+            def body(carry, batch):
+                p, s = carry
+                g = jax.tree.map(lambda v: v * batch[2], grad_fn(p, batch[0], batch[1]))
+                u, s = tx.update(g, s, p, value=loss_fn(p, batch[0], batch[1]))
+                return (optax.apply_updates(p, u), s), None
+
+            return jax.lax.scan(body, (p, tx.init(p)), (x, y, z))[0]
+
+        p0 = od.replicate(jax.tree.map(jnp.asarray, init_params()), N * G)
+        sim = od.simulate(train, axis_name=("node", "local"), shape=(N, G))
+        return sim(p0, np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1), poison)
+
+    poison = np.ones((N * G, steps), np.float32)
+    poison[1, 5] = np.nan  # node 0, local index 1, in the cycling phase
+    zeroed = poison.copy()
+    zeroed[:G, 5] = 0.0  # node 0's replicas: zero gradients at that step
+    (p, s), (ref, _) = run(poison), run(zeroed)
+    for tree in (p, s):
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree) if x.dtype.kind == "f")
+    for k in ref:
+        np.testing.assert_allclose(p[k], ref[k], atol=1e-6)
+
+
 def test_bad_hyperparameters():
     c = od.AxisComm("replica")
     ok = dict(local_comm=c, global_comm=c, steps_per_epoch=10, total_epochs=5)

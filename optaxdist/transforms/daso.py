@@ -198,6 +198,8 @@ def daso(
 
     Args:
       inner: the local optimizer (Heat: torch SGD).
+        A step whose update is not finite is skipped (zero update, inner state kept); the local
+        step follows the node's gradient average, so one bad gradient makes its node skip.
       local_comm: the replicas of my node (``Hierarchy.local``); ``G`` = its size.
       global_comm: the replicas with my local index on every node (``Hierarchy.cross``).
       steps_per_epoch: batches per epoch (Heat ``last_batch + 1``).

@@ -125,6 +125,8 @@ def decentralized_sgd(
 
     Args:
       inner: the local optimizer (momentum stays local, as in mlbench).
+        A step whose update is not finite is skipped on this replica only (zero update,
+        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       comm: the replicas; ``comm.size`` must equal ``topology.n``.
       topology: a static gossip graph (``optaxdist.topology``).
       metropolis: reweight undirected rounds with Metropolis–Hastings weights.
@@ -240,6 +242,8 @@ def sgp(
 
     Args:
       inner: the local optimizer.
+        A step whose update is not finite is skipped on this replica only (zero update,
+        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       comm: the replicas; ``comm.size == topology.n``.
       topology: a column-stochastic gossip graph (fairscale's default:
         ``topology.npeer_dynamic_directed_exponential_graph(n)``).

@@ -59,10 +59,10 @@ def outer_sync(
 
     Args:
       inner: the local optimizer.
+        A step whose update is not finite is skipped on this replica only (zero update,
+        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       outer: the outer optimizer, applied to the averaged pseudo-gradient every ``period`` steps.
         Its ``update`` receives the extra argument ``inner_step`` (the 0-based step of the sync).
-        A local step whose update is not finite is skipped on that replica (see
-        ``finite_local_step``): non-finite gradients never reach any replica's state.
       comm: all replicas.
       period: inner steps between syncs (≥ 1).
       reducer: how the per-replica pseudo-gradients ``x₀ − x_i`` are averaged: any gradient
@@ -257,6 +257,8 @@ def diloco(
 
     Args:
       inner: the local optimizer (DiLoCo: AdamW).
+        A step whose update is not finite is skipped on this replica only (zero update,
+        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       outer: the outer optimizer (default ``diloco_outer_optimizer()``: Nesterov SGD, lr 0.7,
         momentum 0.9).
       comm: all replicas.
@@ -342,6 +344,8 @@ def slowmo(
 
     Args:
       inner: the local optimizer.
+        A step whose update is not finite is skipped on this replica only (zero update,
+        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       comm: all replicas.
       period: τ (fairscale default 48).
       learning_rate: the inner optimizer's learning rate (float or the same schedule).

@@ -111,6 +111,8 @@ def partial_average(
 
     Args:
       inner: the local optimizer.
+        A step whose update is not finite is skipped on this replica only (zero update,
+        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       comm: all replicas.
       partitions: a tuple of tuples of leaf indices (of ``jax.tree.leaves(params)``), or a
         function of the parameters returning one (default ``singa_partitions``, SINGA's packing
@@ -223,6 +225,8 @@ def streaming_diloco(
 
     Args:
       inner: the local optimizer.
+        A step whose update is not finite is skipped on this replica only (zero update,
+        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       outer: the outer optimizer for every fragment (default DiLoCo's Nesterov SGD 0.7 / 0.9).
       comm: all replicas.
       period: H, the outer period of every fragment.
