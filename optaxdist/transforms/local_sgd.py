@@ -91,6 +91,7 @@ def local_sgd(
       inner: the local optimizer.
         A step whose update is not finite is skipped on this replica only (zero update,
         inner state kept, nothing sent): non-finite gradients never reach any replica's state.
+        During the warm-up the gradients are all-reduced first, so every replica skips.
       comm: all replicas.
       period: steps between global averages (≥ 1).
       warmup_steps: exact gradient all-reduce steps before local SGD starts (post-local SGD).
