@@ -297,23 +297,9 @@ def test_charlm_windows_and_a_short_run(tmp_path):
 
     # optax's Adam bias correction raises a Python float to an int32 power: not strict-promotion clean.
     with jax.numpy_dtype_promotion("standard"):
-        rc = main(
-            [
-                "bench",
-                *(
-                    "--dataset",
-                    "charlm",
-                    "--optimizer",
-                    "adamw",
-                    "--lr",
-                    "3e-3",
-                    "--schedule",
-                    "warmup-cosine",
-                ),
-                *("--algorithms", "diloco-50", "--steps", "50", "--replicas", "2"),
-                *("--batch-size", "2", "--log-every", "50", "--out", str(tmp_path), "--no-plots", "--quiet"),
-            ]
-        )
+        args = "--dataset charlm --optimizer adamw --lr 3e-3 --schedule warmup-cosine --algorithms diloco-50"
+        args += " --steps 50 --replicas 2 --batch-size 2 --log-every 50 --no-plots --quiet"
+        rc = main(["bench", *args.split(), "--out", str(tmp_path)])
     assert rc == 0
     with open(tmp_path / "bench_charlm_iid.json") as f:
         rec = json.load(f)

@@ -29,7 +29,6 @@ from optaxdist.bench import cost
 from optaxdist.bench.algorithms import (
     DEFAULT_ALGORITHMS,
     OPTIMIZERS,
-    SCHEDULES,
     Algorithm,
     BenchContext,
     get_algorithms,
@@ -80,8 +79,7 @@ class BenchConfig:
             raise ValueError(f"nodes={nodes} must divide replicas={self.replicas}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}; allowed: {OPTIMIZERS}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule={self.schedule!r}; allowed: {SCHEDULES}")
+        learning_rate_schedule(self.lr, self.schedule, self.steps)  # raises on an unknown schedule
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr={self.outer_lr!r} must be > 0")
         if not 0 <= self.outer_momentum < 1:
