@@ -62,6 +62,21 @@ class AxisComm(Communicator):
     def varying(self, tree):
         return jax.tree.map(lambda x: pcast_varying(jnp.asarray(x), self.axes), tree)
 
+    def uniform(self, tree):
+        batched = [a for a in self.axes if a not in manual_axes()]
+        if not batched:
+            return tree
+
+        def one(x):
+            x = jnp.asarray(x)
+            y = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+            for a in batched:
+                self._axis_size(a)  # the clear error when an axis is unbound
+                y = jax.lax.pmax(y, a)
+            return y.astype(x.dtype)
+
+        return jax.tree.map(one, tree)
+
     def _psum(self, x):
         self.size  # noqa: B018  (raises the clear error when an axis is unbound)
         return jax.lax.psum(pcast_varying(x, self.axes), self.axis_name)

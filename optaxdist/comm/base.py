@@ -71,6 +71,19 @@ class Communicator(abc.ABC):
         """Mark values as per-replica (shard_map's ``pcast``); the identity for other backends."""
         return tree
 
+    def uniform(self, tree: PyTree) -> PyTree:
+        """Replicated values (step counters, schedule state) as values the program treats as the
+        same on every member, so that a ``lax.cond`` on them stays a branch.
+
+        Where each member runs its own program (``shard_map``, MPI) a ``cond`` is a branch already:
+        the identity, no collective is added. Under ``jax.vmap`` (``simulate``) a ``cond`` whose
+        predicate is batched becomes a ``select`` that runs both branches on every step;
+        ``AxisComm`` takes the maximum over the vmapped axes instead, which unbatches the value
+        (a reduction inside the one device's program, nothing crosses devices). The values must
+        already be equal on every member; this only changes how the program sees them.
+        """
+        return tree
+
     # ---- derived collectives -------------------------------------------------------------
 
     def psum(self, tree: PyTree, *, dtype: Any = None) -> PyTree:

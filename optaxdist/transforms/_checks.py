@@ -38,20 +38,37 @@ def check_float_leaves(tree, transform: str) -> None:
             )
 
 
-def finite_local_step(
-    inner: optax.GradientTransformationExtraArgs, updates, inner_state, params, **extra
-) -> tuple[optax.Updates, optax.OptState]:
-    """``inner.update`` on this replica, or no step at all (zero updates, ``inner_state`` kept)
-    when the inner update has a non-finite element (as it does when a plain optimizer is given a
-    non-finite gradient).
+NONFINITE_POLICIES = ("skip", "ignore")
 
-    The decision is local: nothing is sent, and since the non-finite values never enter this
-    replica's parameters or state, no later average carries them to another replica. Only the
-    update is checked, so an inner that handles non-finite gradients itself
-    (``dynamic_loss_scale``: zero updates, scale backed off) keeps its new state. Ledgers in the
-    inner state keep counting (an inner collective that ran still sent its bytes).
+
+def check_nonfinite(nonfinite: str) -> None:
+    """Validate a ``nonfinite=`` policy at construction."""
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite={nonfinite!r}; allowed: {NONFINITE_POLICIES}")
+
+
+def local_step(
+    inner: optax.GradientTransformationExtraArgs, updates, inner_state, params, *, nonfinite: str, **extra
+) -> tuple[optax.Updates, optax.OptState]:
+    """``inner.update`` on this replica, under a non-finite policy (``nonfinite=``):
+
+    * ``"skip"`` (the default of every local-step transform): when the inner update has a
+      non-finite element (as it does when a plain optimizer is given a non-finite gradient), no
+      step at all on this replica: zero updates, ``inner_state`` kept. The decision is local:
+      nothing is sent, and since the non-finite values never enter this replica's parameters or
+      state, no later average carries them to another replica. Only the update is checked, so an
+      inner that handles non-finite gradients itself (``dynamic_loss_scale``: zero updates, scale
+      backed off) keeps its new state. Ledgers in the inner state keep counting (an inner
+      collective that ran still sent its bytes). Cost: one pass over the update (``isfinite``
+      reduction) and an element-wise select of the update and the inner state, fused by XLA
+      into the step.
+    * ``"ignore"``: ``inner.update`` as it is, at no cost: for inner optimizers that guard
+      themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``) or runs that accept that a
+      non-finite gradient poisons the average.
     """
     new_updates, new_state = inner.update(updates, inner_state, params, **extra)
+    if nonfinite == "ignore":
+        return new_updates, new_state
     ok = all_finite(new_updates)
     new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
     kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, inner_state)

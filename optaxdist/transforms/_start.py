@@ -14,21 +14,29 @@ from optaxdist.comm.base import Communicator
 CHECK_KIND = "broadcast[start check]"
 
 
+def _bit_words(x: jax.Array) -> jax.Array:
+    """The bit patterns of ``x`` as a flat vector of unsigned words (8-byte values: two uint32)."""
+    x = jnp.ravel(x)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        x = jnp.stack([x.real, x.imag], axis=-1).ravel()
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, width).ravel()
+
+
 def fingerprint(tree: Any) -> jax.Array:
-    """One uint32 per leaf: ``Σ_k bits_k · (2k + 1) mod 2³²`` over the leaf's bit patterns.
+    """One uint32 per leaf: ``Σ_k bits_k · (2k + 1) mod 2³²`` over the leaf's bit patterns
+    (8-byte values contribute both of their 32-bit words).
 
     Any single differing element changes it (odd multipliers are invertible mod 2³²), so equal
     fingerprints on every replica mean identical parameters up to a negligible chance.
     """
     out = []
     for leaf in jax.tree.leaves(tree):
-        x = jnp.ravel(jnp.asarray(leaf))
-        if x.dtype == jnp.bool_:
-            x = x.astype(jnp.uint8)
-        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, width) if x.dtype.itemsize < 8 else x
-        weights = (2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1).reshape(bits.shape[:1])
-        out.append(jnp.sum(bits.astype(jnp.uint32) * weights, dtype=jnp.uint32))
+        bits = _bit_words(jnp.asarray(leaf)).astype(jnp.uint32)
+        weights = 2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1
+        out.append(jnp.sum(bits * weights, dtype=jnp.uint32))
     return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
 
 
@@ -37,13 +45,16 @@ def start_kinds(check_start: bool, params: Any) -> dict[str, int]:
     return {CHECK_KIND: 4 * len(jax.tree.leaves(params)) + 4} if check_start else {}
 
 
-def _raise_if_different(ok) -> None:
-    if not np.all(ok):
+def _verdict(same) -> np.ndarray:
+    # Runs on the host: NumPy only. Computing with JAX here (jnp, or np.all on the jax.Array,
+    # which dispatches its .all method) deadlocks against the main thread's next dispatch.
+    if not np.asarray(same).all():
         raise ValueError(
             "replicas do not start from identical parameters: make them identical first with "
             "optaxdist.broadcast_from_root (inside the step) or by initialising every replica "
             "from the same seed"
         )
+    return np.zeros((), np.int32)
 
 
 def check_identical_start(
@@ -51,15 +62,23 @@ def check_identical_start(
 ) -> CommLedger:
     """On step 0, raise ``ValueError`` on every replica together if the replicas' parameters
     differ: their fingerprints are compared with replica 0's (a broadcast of one uint32 per leaf
-    and one int32 agreement, at step 0 only)."""
+    and one int32 agreement, at step 0 only).
+
+    The check sits in a ``lax.cond`` on the replica-uniform step (``comm.uniform``), so on every
+    harness, ``simulate`` included, later steps run neither the comparison nor the host callback.
+    The callback is a ``pure_callback`` whose (zero) result is counted into the ledger: it carries
+    no side effect, so a step keeps JAX's fast dispatch path (a ``debug.callback`` anywhere in the
+    program, even in a branch that never runs, costs about a millisecond per call).
+    """
     if not check_start:
         return ledger
 
     def first(led):
         mine = fingerprint(params)
         same = comm.agree(jnp.all(mine == comm.broadcast(mine, 0)), op="all")
-        # Under vmap with a batched step counter both branches run: re-test the step here.
-        jax.debug.callback(_raise_if_different, same | (step != 0))
-        return per_replica(led.record(CHECK_KIND), comm)
+        zero = jax.pure_callback(
+            _verdict, jax.ShapeDtypeStruct((), jnp.int32), same, vmap_method="sequential"
+        )
+        return per_replica(led.record(CHECK_KIND, 1 + zero), comm)
 
-    return jax.lax.cond(step == 0, first, lambda led: per_replica(led, comm), ledger)
+    return jax.lax.cond(comm.uniform(step) == 0, first, lambda led: per_replica(led, comm), ledger)

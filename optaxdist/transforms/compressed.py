@@ -199,6 +199,8 @@ def exact_warmup(
         )
 
     def update_fn(updates, state, params=None, **extra):
+        warmup_step = comm.uniform(state.warmup_step)  # keeps the choice a branch under simulate
+
         # Both branches mark their outputs per-replica so they have the same type on a mesh.
         def run_exact(_):
             u, s = exact.update(updates, state.exact_state, params, **extra)
@@ -210,10 +212,10 @@ def exact_warmup(
             return per_replica((u, state.exact_state, s), comm)
 
         out, exact_state, compressed_state = jax.lax.cond(
-            state.warmup_step < steps, run_exact, run_compressed, None
+            warmup_step < steps, run_exact, run_compressed, None
         )
         return out, ExactWarmupState(
-            warmup_step=jnp.minimum(state.warmup_step, steps) + 1,
+            warmup_step=jnp.minimum(warmup_step, steps) + 1,
             exact_state=exact_state,
             compressed_state=compressed_state,
         )

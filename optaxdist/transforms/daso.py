@@ -22,7 +22,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import finite_local_step
+from optaxdist.transforms._checks import check_nonfinite, local_step
 
 NO_GROUP = -1
 FIRST_CYCLES = ("max_global_skips", "heat")
@@ -147,6 +147,7 @@ def daso(
     first_cycle: str | tuple[int, int, int] = "max_global_skips",
     heat_redundant_broadcast: bool = False,
     merge_weight: str = "actual",
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""DASO (Heat): node-local gradient averaging plus delayed, selective cross-node parameter merges.
 
@@ -198,8 +199,6 @@ def daso(
 
     Args:
       inner: the local optimizer (Heat: torch SGD).
-        A step whose update is not finite is skipped (zero update, inner state kept); the local
-        step follows the node's gradient average, so one bad gradient makes its node skip.
       local_comm: the replicas of my node (``Hierarchy.local``); ``G`` = its size.
       global_comm: the replicas with my local index on every node (``Hierarchy.cross``).
       steps_per_epoch: batches per epoch (Heat ``last_batch + 1``).
@@ -222,6 +221,9 @@ def daso(
         global sync even when its send was already merged (H3).
       merge_weight: ``"actual"`` (batches elapsed since the send) or ``"heat"`` (the stored ``B``,
         which can be smaller near the epoch end, H2).
+      nonfinite: a local step whose update is not finite is skipped (``"skip"``, the default: zero
+        update, inner state kept; the local step follows the node's gradient average, so one bad
+        gradient makes its node skip) or applied as it is (``"ignore"``, no cost).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state ``DasoState``.
@@ -257,6 +259,7 @@ def daso(
     if not 0 <= stability_level < 1:
         raise ValueError(f"stability_level={stability_level!r} must be in [0, 1)")
     low = canonical_comm_dtype(downcast, name="downcast")
+    check_nonfinite(nonfinite)
     if merge_weight not in MERGE_WEIGHTS:
         raise ValueError(f"merge_weight={merge_weight!r}; allowed: {MERGE_WEIGHTS}")
     reset_cycle = (
@@ -345,7 +348,15 @@ def daso(
         if params is None:
             raise ValueError("daso needs params: call update(updates, state, params, value=loss)")
         G, N = local_comm.size, global_comm.size
-        s = state
+        # The replicated control state, seen as uniform so that every cond/switch below stays a
+        # branch under simulate (see Communicator.uniform).
+        control = (
+            "batch_in_epoch", "epoch", "global_skip", "local_skip", "batches_to_wait", "send_group",
+            "previous_send_group", "pending_wait", "pending_sent_batch", "pending_valid",
+            "pending_low_precision", "local_sync_next", "plateau_bad_epochs",
+        )  # fmt: skip
+        uniform = global_comm.uniform(local_comm.uniform({k: getattr(state, k) for k in control}))
+        s = state._replace(**uniform)
         ledger = s.daso_ledger
 
         # ---- the batch's control flow (Heat DASO.step / _global_sync), on replicated scalars ----
@@ -394,7 +405,9 @@ def daso(
         # ---- 2. local step ----
         if value is not None:
             extra = extra | {"value": value}
-        local_updates, inner_state = finite_local_step(inner, updates, s.inner_state, params, **extra)
+        local_updates, inner_state = local_step(
+            inner, updates, s.inner_state, params, nonfinite=nonfinite, **extra
+        )
         local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, local_updates)
 
         # ---- 3. send: every group all-reduces over global_comm; group send_group keeps it ----

@@ -22,7 +22,7 @@ import optax
 from optaxdist.accounting import CommLedger, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
 from optaxdist.topology import Topology
-from optaxdist.transforms._checks import finite_local_step
+from optaxdist.transforms._checks import check_nonfinite, local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 
 PERMUTE_KIND = "permute[params]"
@@ -107,6 +107,7 @@ def decentralized_sgd(
     metropolis: bool = False,
     global_every: int | None = None,
     check_start: bool = True,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""D-PSGD: a local step, then averaging with the round's in-neighbours.
 
@@ -125,13 +126,14 @@ def decentralized_sgd(
 
     Args:
       inner: the local optimizer (momentum stays local, as in mlbench).
-        A step whose update is not finite is skipped on this replica only (zero update,
-        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       comm: the replicas; ``comm.size`` must equal ``topology.n``.
       topology: a static gossip graph (``optaxdist.topology``).
       metropolis: reweight undirected rounds with Metropolis–Hastings weights.
       global_every: exact global averaging every K steps (None: never).
       check_start: raise on step 0 if the replicas' parameters differ.
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
+        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     References:
       Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS 2017.
@@ -144,6 +146,7 @@ def decentralized_sgd(
             f"topology {topo.name!r} is not row-stochastic: D-PSGD's average would be biased; "
             "use sgp (push-sum) for directed graphs"
         )
+    check_nonfinite(nonfinite)
     inner = optax.with_extra_args_support(inner)
 
     def kinds(params):
@@ -161,9 +164,9 @@ def decentralized_sgd(
         if params is None:
             raise ValueError("decentralized_sgd needs params: call update(updates, state, params)")
         _check_size(comm, topo)
-        t = state.gossip_step
+        t = comm.uniform(state.gossip_step)  # one round's branch runs, also under simulate
         ledger = check_identical_start(check_start, params, t, state.gossip_ledger, comm)
-        u, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
+        u, inner_state = local_step(inner, updates, state.inner_state, params, nonfinite=nonfinite, **extra)
         leaves, treedef = jax.tree.flatten(optax.apply_updates(params, u))
 
         def gossip(led):
@@ -213,6 +216,7 @@ def sgp(
     overlap: bool = False,
     global_every: int | None = None,
     check_start: bool = True,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Stochastic Gradient Push: push-sum gossip with de-biased parameters.
 
@@ -242,8 +246,6 @@ def sgp(
 
     Args:
       inner: the local optimizer.
-        A step whose update is not finite is skipped on this replica only (zero update,
-        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       comm: the replicas; ``comm.size == topology.n``.
       topology: a column-stochastic gossip graph (fairscale's default:
         ``topology.npeer_dynamic_directed_exponential_graph(n)``).
@@ -251,6 +253,9 @@ def sgp(
       overlap: apply received mixing one step late (OSGP).
       global_every: exact global averaging every K steps.
       check_start: raise on step 0 if the replicas' parameters differ.
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
+        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     References:
       Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep Learning",
@@ -265,6 +270,7 @@ def sgp(
         raise ValueError(f"topology {topology.name!r} is not column-stochastic: push-sum needs it")
     send_weight = not topology.is_doubly_stochastic()
     gossip_kinds = (PERMUTE_KIND, WEIGHT_KIND) if send_weight else (PERMUTE_KIND,)
+    check_nonfinite(nonfinite)
     inner = optax.with_extra_args_support(inner)
 
     def kinds(params):
@@ -293,9 +299,9 @@ def sgp(
         if params is None:
             raise ValueError("sgp needs params: call update(updates, state, params)")
         _check_size(comm, topology)
-        t, w = state.gossip_step, state.ps_weight
+        t, w = comm.uniform(state.gossip_step), state.ps_weight
         ledger = check_identical_start(check_start, params, t, state.gossip_ledger, comm)
-        u, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
+        u, inner_state = local_step(inner, updates, state.inner_state, params, nonfinite=nonfinite, **extra)
         p_leaves, treedef = jax.tree.flatten(params)
         numerator = [
             (z.astype(jnp.float32) * w + d.astype(jnp.float32)) for z, d in zip(p_leaves, jax.tree.leaves(u))

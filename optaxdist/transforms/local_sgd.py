@@ -11,7 +11,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import finite_local_step
+from optaxdist.transforms._checks import check_nonfinite, local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
@@ -61,6 +61,7 @@ def local_sgd(
     local_period: int | None = None,
     dtype: Any = None,
     check_start: bool = True,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Take local steps with ``inner``; every ``period`` steps replace the parameters by their mean.
 
@@ -89,8 +90,6 @@ def local_sgd(
 
     Args:
       inner: the local optimizer.
-        A step whose update is not finite is skipped on this replica only (zero update,
-        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
         During the warm-up the gradients are all-reduced first, so every replica skips.
       comm: all replicas.
       period: steps between global averages (≥ 1).
@@ -103,6 +102,9 @@ def local_sgd(
         and raise ``ValueError`` otherwise (a uint32 fingerprint per leaf is compared with replica
         0's: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``). Make them identical with
         ``broadcast_from_root``.
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
+        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     Example:
       >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)  # doctest: +SKIP
@@ -126,6 +128,7 @@ def local_sgd(
         if c is not None and not isinstance(c, Communicator):
             raise TypeError(f"{name} must be an optaxdist Communicator, got {type(c).__name__}")
     wire = canonical_comm_dtype(dtype)
+    check_nonfinite(nonfinite)
     inner = optax.with_extra_args_support(inner)
 
     def kinds(params, inner_state):
@@ -151,32 +154,35 @@ def local_sgd(
     def update_fn(updates, state, params=None, **extra):
         if params is None:
             raise ValueError("local_sgd needs params: call update(updates, state, params)")
-        t = state.local_step
+        t = comm.uniform(state.local_step)  # keeps the syncs a branch under simulate
         ledger = check_identical_start(check_start, params, t, state.local_sgd_ledger, comm)
-        if warmup_steps:
-            warm = t < warmup_steps
-            updates, ledger = jax.lax.cond(
-                warm,
-                lambda: per_replica(
-                    (comm.pmean(updates, dtype=wire), ledger.record(kind_name("all_reduce", updates, wire))),
-                    comm,
-                ),
-                lambda: per_replica((updates, ledger), comm),
-            )
-        local_updates, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
 
         s = t - warmup_steps + 1
         level = jnp.where(s % period == 0, GLOBAL_SYNC, NO_SYNC)
         if local_period is not None:
             level = jnp.where((level == NO_SYNC) & (s % local_period == 0), LOCAL_SYNC, level)
-        if warmup_steps:
-            level = jnp.where(warm, NO_SYNC, level)
+        warm = t < warmup_steps
+        level = jnp.where(warm, NO_SYNC, level)
+
+        # Each branch takes the local step itself: on local steps the inner update is computed
+        # straight into the outputs instead of being copied through an identity branch.
+        def local(g, inner_s):
+            return local_step(inner, g, inner_s, params, nonfinite=nonfinite, **extra)
+
+        def no_average(operand):
+            g, inner_s, led = operand
+            return per_replica((*local(g, inner_s), led), comm)
+
+        def warm_up(operand):
+            g, inner_s, led = operand
+            g = comm.pmean(g, dtype=wire)
+            return per_replica((*local(g, inner_s), led.record(kind_name("all_reduce", g, wire))), comm)
 
         def average_over(group: Communicator, kind_prefix: str):
             def branch(operand):
-                u, inner_s, led = operand
-                local = optax.apply_updates(params, u)
-                target = group.pmean(local, dtype=wire)
+                g, inner_s, led = operand
+                u, inner_s = local(g, inner_s)
+                target = group.pmean(optax.apply_updates(params, u), dtype=wire)
                 u = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), target, params)
                 led = led.record(kind_name(kind_prefix, params, wire))
                 if average_inner_state and _float_leaves(inner_s):
@@ -186,14 +192,15 @@ def local_sgd(
 
             return branch
 
-        branches = [
-            lambda operand: per_replica(operand, comm),
-            average_over(local_comm, "local_param_average") if local_comm is not None else None,
-            average_over(comm, "param_average"),
-        ]
-        if local_comm is None:
-            branches[LOCAL_SYNC] = branches[NO_SYNC]
-        out, inner_state, ledger = jax.lax.switch(level, branches, (local_updates, inner_state, ledger))
+        node_average = (
+            average_over(local_comm, "local_param_average") if local_comm is not None else no_average
+        )
+        branches = [no_average, node_average, average_over(comm, "param_average")]
+        index = level
+        if warmup_steps:
+            branches.append(warm_up)
+            index = jnp.where(warm, len(branches) - 1, level)
+        out, inner_state, ledger = jax.lax.switch(index, branches, (updates, state.inner_state, ledger))
         return out, LocalSgdState(
             local_step=optax.safe_increment(t),
             sync_level=level.astype(jnp.int32),

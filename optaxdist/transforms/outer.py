@@ -17,7 +17,7 @@ from jax.flatten_util import ravel_pytree
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
-from optaxdist.transforms._checks import check_float_leaves, finite_local_step
+from optaxdist.transforms._checks import check_float_leaves, check_nonfinite, local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 from optaxdist.transforms.allreduce import allreduce
 
@@ -54,13 +54,12 @@ def outer_sync(
     num_shards: int | None = None,
     anchor_after_first_step: bool = False,
     check_start: bool = True,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""The engine behind ``diloco`` and ``slowmo``; see ``diloco`` for the math.
 
     Args:
       inner: the local optimizer.
-        A step whose update is not finite is skipped on this replica only (zero update,
-        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       outer: the outer optimizer, applied to the averaged pseudo-gradient every ``period`` steps.
         Its ``update`` receives the extra argument ``inner_step`` (the 0-based step of the sync).
       comm: all replicas.
@@ -81,6 +80,9 @@ def outer_sync(
       check_start: on the first step, raise ``ValueError`` if the replicas' parameters differ
         (fingerprints compared: 4 bytes per leaf and a 4-byte vote, ledger
         ``broadcast[start check]``).
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
+        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
     """
     if not isinstance(period, int) or period < 1:
         raise ValueError(f"period={period!r} must be an int ≥ 1")
@@ -90,6 +92,7 @@ def outer_sync(
         raise ValueError(f"num_shards={num_shards!r} must be None or an int ≥ 1 (the group size)")
     if num_shards is not None and reducer is not None:
         raise ValueError("num_shards (memory-efficient mode) and a custom reducer can't be combined")
+    check_nonfinite(nonfinite)
     inner = optax.with_extra_args_support(inner)
     outer = optax.with_extra_args_support(outer)
     reducer = optax.with_extra_args_support(reducer or allreduce(comm=comm))
@@ -151,9 +154,10 @@ def outer_sync(
             raise ValueError("diloco/slowmo need params: call update(updates, state, params)")
         if sharded and comm.size != num_shards:
             raise ValueError(f"num_shards={num_shards} must equal the group size {comm.size}")
-        t = state.outer_step
-        local_updates, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
-        local = optax.apply_updates(params, local_updates)
+        t = comm.uniform(state.outer_step)  # keeps the sync a branch under simulate
+
+        def local(g, inner_s):
+            return local_step(inner, g, inner_s, params, nonfinite=nonfinite, **extra)
 
         anchor = state.anchor_params
         ledger = check_identical_start(check_start, params, t, state.outer_ledger, comm)
@@ -161,7 +165,7 @@ def outer_sync(
             # fairscale's quirk, made consistent: x0 is the replicas' mean after the first step
             def first(operand):
                 anchor, ledger = operand
-                mean = comm.pmean(local)
+                mean = comm.pmean(optax.apply_updates(params, local(updates, state.inner_state)[0]))
                 if sharded:
                     anchor = my_block(ravel_pytree(mean)[0], block_size(params)[1])
                 else:
@@ -177,10 +181,14 @@ def outer_sync(
                 anchor,
             )
 
+        # Both branches take the local step themselves, so that on local steps the inner update
+        # is computed straight into the outputs instead of being copied through the cond.
         def sync(operand):
-            anchor, outer_state, reducer_state, ledger = operand
+            g, inner_s, anchor, outer_state, reducer_state, ledger = operand
+            u, inner_s = local(g, inner_s)
+            local_params = optax.apply_updates(params, u)
             if sharded:
-                flat_local, unravel = ravel_pytree(local)
+                flat_local, unravel = ravel_pytree(local_params)
                 size, block = block_size(params)
                 padded = jnp.pad(flat_local, (0, block * num_shards - size))
                 mean_block = comm.psum_scatter(padded) / jnp.asarray(num_shards, padded.dtype)
@@ -191,22 +199,23 @@ def outer_sync(
                 dt = jnp.dtype(padded.dtype).name
                 ledger = ledger.record(f"reduce_scatter[{dt}]").record(f"all_gather[{dt}]")
             else:
-                pseudo = jax.tree.map(lambda a, x: a - x, anchor, local)
+                pseudo = jax.tree.map(lambda a, x: a - x, anchor, local_params)
                 delta, reducer_state = reducer.update(pseudo, reducer_state, anchor)
                 step, outer_state = outer.update(delta, outer_state, anchor, inner_step=t)
                 anchor = optax.apply_updates(anchor, step)
                 new_params = anchor
             out = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
-            return per_replica((out, anchor, outer_state, reducer_state, ledger), comm)
+            return per_replica((out, inner_s, anchor, outer_state, reducer_state, ledger), comm)
 
         def no_sync(operand):
-            return per_replica((local_updates, *operand), comm)
+            g, inner_s, *rest = operand
+            return per_replica((*local(g, inner_s), *rest), comm)
 
-        out, anchor, outer_state, reducer_state, ledger = jax.lax.cond(
+        out, inner_state, anchor, outer_state, reducer_state, ledger = jax.lax.cond(
             (t + 1) % period == 0,
             sync,
             no_sync,
-            (anchor, state.outer_state, state.reducer_state, ledger),
+            (updates, state.inner_state, anchor, state.outer_state, state.reducer_state, ledger),
         )
         return out, OuterSyncState(
             outer_step=optax.safe_increment(t),
@@ -236,6 +245,7 @@ def diloco(
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
     check_start: bool = True,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""DiLoCo: ``period`` local steps of ``inner``, then an outer step on the averaged displacement.
 
@@ -257,8 +267,6 @@ def diloco(
 
     Args:
       inner: the local optimizer (DiLoCo: AdamW).
-        A step whose update is not finite is skipped on this replica only (zero update,
-        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       outer: the outer optimizer (default ``diloco_outer_optimizer()``: Nesterov SGD, lr 0.7,
         momentum 0.9).
       comm: all replicas.
@@ -266,6 +274,9 @@ def diloco(
       reducer: averages the pseudo-gradients (default ``allreduce(comm=comm)``).
       num_shards: shard the anchor and outer state over the replicas (``= comm.size``).
       check_start: raise on the first step if the replicas' parameters differ.
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
+        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     Example:
       >>> tx = diloco(optax.adamw(4e-4), comm=comm, period=500)  # doctest: +SKIP
@@ -282,6 +293,7 @@ def diloco(
         reducer=reducer,
         num_shards=num_shards,
         check_start=check_start,
+        nonfinite=nonfinite,
     )
 
 
@@ -326,6 +338,7 @@ def slowmo(
     anchor_after_first_step: bool = False,
     num_shards: int | None = None,
     check_start: bool = True,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""SlowMo (fairscale ``SlowMoDistributedDataParallel`` with LocalSGD base): local steps, and
     every ``period`` (τ) steps average the parameters and take a slow-momentum step.
@@ -344,8 +357,6 @@ def slowmo(
 
     Args:
       inner: the local optimizer.
-        A step whose update is not finite is skipped on this replica only (zero update,
-        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       comm: all replicas.
       period: τ (fairscale default 48).
       learning_rate: the inner optimizer's learning rate (float or the same schedule).
@@ -357,6 +368,9 @@ def slowmo(
         own). Default: the parameters before training.
       num_shards: the group size, required with ``memory_efficient`` (static).
       check_start: raise on the first step if the replicas' parameters differ.
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
+        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     References:
       Wang, Tantia, Ballas, Rabbat, "SlowMo: Improving Communication-Efficient Distributed SGD with
@@ -380,4 +394,5 @@ def slowmo(
         num_shards=num_shards,
         anchor_after_first_step=anchor_after_first_step,
         check_start=check_start,
+        nonfinite=nonfinite,
     )

@@ -20,7 +20,7 @@ import optax
 
 from optaxdist.accounting import CommLedger, dtype_label, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
-from optaxdist.transforms._checks import finite_local_step
+from optaxdist.transforms._checks import check_nonfinite, local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 from optaxdist.transforms.outer import diloco_outer_optimizer
 
@@ -95,6 +95,7 @@ def partial_average(
     comm: Communicator,
     partitions: Partition | Any = singa_partitions,
     check_start: bool = True,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps; after step :math:`t`, partition :math:`t \bmod K` is replaced by its mean.
 
@@ -111,20 +112,22 @@ def partial_average(
 
     Args:
       inner: the local optimizer.
-        A step whose update is not finite is skipped on this replica only (zero update,
-        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       comm: all replicas.
       partitions: a tuple of tuples of leaf indices (of ``jax.tree.leaves(params)``), or a
         function of the parameters returning one (default ``singa_partitions``, SINGA's packing
         by 2,097,152 elements in backward order).
       check_start: raise on the first step if the replicas' parameters differ (compares a
         fingerprint: 4 bytes per leaf).
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
+        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     References:
       Apache SINGA ``DistOpt.backward_and_partial_update``.
     """
     if not isinstance(comm, Communicator):
         raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
+    check_nonfinite(nonfinite)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
@@ -146,7 +149,9 @@ def partial_average(
         if params is None:
             raise ValueError("partial_average needs params: call update(updates, state, params)")
         parts = _resolve(partitions, params)
-        local_updates, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
+        local_updates, inner_state = local_step(
+            inner, updates, state.inner_state, params, nonfinite=nonfinite, **extra
+        )
         local = jax.tree.leaves(optax.apply_updates(params, local_updates))
         p_leaves, treedef = jax.tree.flatten(params)
 
@@ -162,12 +167,11 @@ def partial_average(
 
             return branch
 
-        ledger = check_identical_start(check_start, params, state.partial_step, state.partial_ledger, comm)
-        out, ledger = jax.lax.switch(
-            state.partial_step % len(parts), [average(k) for k in range(len(parts))], ledger
-        )
+        t = comm.uniform(state.partial_step)  # one partition's branch runs, also under simulate
+        ledger = check_identical_start(check_start, params, t, state.partial_ledger, comm)
+        out, ledger = jax.lax.switch(t % len(parts), [average(k) for k in range(len(parts))], ledger)
         return jax.tree.unflatten(treedef, out), PartialAverageState(
-            partial_step=optax.safe_increment(state.partial_step),
+            partial_step=optax.safe_increment(t),
             inner_state=inner_state,
             partial_ledger=ledger,
         )
@@ -208,6 +212,7 @@ def streaming_diloco(
     blend: float = 0.0,
     fragments: Partition | None = None,
     check_start: bool = True,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Streaming DiLoCo: DiLoCo per fragment, fragment syncs staggered across the period.
 
@@ -225,8 +230,6 @@ def streaming_diloco(
 
     Args:
       inner: the local optimizer.
-        A step whose update is not finite is skipped on this replica only (zero update,
-        inner state kept, nothing sent): non-finite gradients never reach any replica's state.
       outer: the outer optimizer for every fragment (default DiLoCo's Nesterov SGD 0.7 / 0.9).
       comm: all replicas.
       period: H, the outer period of every fragment.
@@ -237,6 +240,9 @@ def streaming_diloco(
       fragments: explicit fragments (tuples of leaf indices); default ``balanced_fragments``.
       check_start: raise on the first step if the replicas' parameters differ (compares a
         fingerprint: 4 bytes per leaf).
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
+        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     References:
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed
@@ -253,6 +259,7 @@ def streaming_diloco(
         raise ValueError(f"blend={blend!r} must be in [0, 1)")
     if not isinstance(comm, Communicator):
         raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
+    check_nonfinite(nonfinite)
     inner = optax.with_extra_args_support(inner)
     outer = optax.with_extra_args_support(outer if outer is not None else diloco_outer_optimizer())
 
@@ -289,8 +296,13 @@ def streaming_diloco(
         if params is None:
             raise ValueError("streaming_diloco needs params: call update(updates, state, params)")
         parts = parts_of(params)
-        t = state.stream_step
-        local_updates, inner_state = finite_local_step(inner, updates, state.inner_state, params, **extra)
+        # replicated schedule state, seen as uniform so that each switch stays a branch
+        t, pending_fragment, pending_due = comm.uniform(
+            (state.stream_step, state.pending_fragment, state.pending_due)
+        )
+        local_updates, inner_state = local_step(
+            inner, updates, state.inner_state, params, nonfinite=nonfinite, **extra
+        )
         p_leaves, treedef = jax.tree.flatten(params)
         local = jax.tree.leaves(optax.apply_updates(params, local_updates))
         anchor = jax.tree.leaves(state.anchor_params)
@@ -328,8 +340,8 @@ def streaming_diloco(
                 check_identical_start(check_start, params, t, state.stream_ledger, comm),
             ),
         )
-        pending = jnp.where(syncing >= 0, syncing, state.pending_fragment)
-        due = jnp.where(syncing >= 0, t + delay, state.pending_due)
+        pending = jnp.where(syncing >= 0, syncing, pending_fragment)
+        due = jnp.where(syncing >= 0, t + delay, pending_due)
 
         # merge the pending fragment's new anchor into the local values when it is due
         def merge(f):

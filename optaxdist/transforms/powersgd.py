@@ -415,7 +415,7 @@ def powersgd(
                 "powersgd: the gradient leaves do not match the shapes given to init "
                 f"(compressed groups {[(len(g.leaves), g.n, g.m) for g in plan.groups]})"
             )
-        step = state.powersgd_step
+        step = comm.uniform(state.powersgd_step)  # keeps the warm-up a branch under simulate
         next_step = step + (step < _INT32_MAX).astype(jnp.int32)
         ledger = state.powersgd_ledger
 

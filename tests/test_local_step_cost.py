@@ -1,0 +1,195 @@
+"""Zero-cost local steps, checked on the program's structure (not timed).
+
+For every transform that synchronizes on a schedule, the step traced under ``simulate`` (vmap) and
+under ``on_mesh`` (shard_map) runs its collectives only inside ``lax.cond``/``lax.switch``
+branches: outside them there is no collective on floating-point data, no host callback and (with
+``nonfinite="ignore"``) no parameter-sized ``select``. Under vmap a ``cond`` whose predicate is
+batched turns into a ``select`` that runs every branch, so this fails unless the schedule's
+predicates are replica-uniform (``Communicator.uniform``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxdist as od
+from optaxdist import topology
+
+N = 4
+BRANCHING = {"cond"}
+COLLECTIVES = {"psum", "psum2", "psum_invariant", "all_gather", "all_gather_invariant", "ppermute"}
+COLLECTIVES |= {"psum_scatter", "reduce_scatter", "all_to_all", "pmax", "pmin"}
+CALLBACKS = {"debug_callback", "io_callback", "pure_callback"}
+
+
+def _sub_jaxprs(eqn) -> Iterator[jax.extend.core.Jaxpr]:
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, jax.extend.core.ClosedJaxpr):
+                yield v.jaxpr
+            elif isinstance(v, jax.extend.core.Jaxpr):
+                yield v
+
+
+def unconditional_eqns(jaxpr) -> Iterator:
+    """Equations that run on every step: everything outside the branches of a cond/switch."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name in BRANCHING:
+            continue
+        for sub in _sub_jaxprs(eqn):
+            yield from unconditional_eqns(sub)
+
+
+def branch_eqns(jaxpr) -> Iterator:
+    """Equations inside the branches of any cond/switch."""
+    for eqn in jaxpr.eqns:
+        for sub in _sub_jaxprs(eqn):
+            if eqn.primitive.name in BRANCHING:
+                yield from _all_eqns(sub)
+            else:
+                yield from branch_eqns(sub)
+
+
+def _all_eqns(jaxpr) -> Iterator:
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _sub_jaxprs(eqn):
+            yield from _all_eqns(sub)
+
+
+def _is_float_collective(eqn) -> bool:
+    return eqn.primitive.name in COLLECTIVES and any(
+        jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.invars if hasattr(v, "aval")
+    )
+
+
+def params_tree():
+    return {"w": jnp.linspace(-1.0, 1.0, 64 * 8).reshape(64, 8), "b": jnp.linspace(0.0, 1.0, 32)}
+
+
+MIN_PARAM_SIZE = 32  # every parameter leaf has at least this many elements per replica
+
+
+def _daso(nonfinite):
+    h = od.axis_hierarchy(2, 2)
+    return od.daso(
+        optax.sgd(0.1, momentum=0.9),
+        local_comm=h.local,
+        global_comm=h.cross,
+        steps_per_epoch=8,
+        total_epochs=4,
+        warmup_epochs=0,
+        nonfinite=nonfinite,
+    )
+
+
+def make(name: str, nonfinite: str, comm):
+    inner = optax.sgd(0.1, momentum=0.9)
+    kw = dict(comm=comm, nonfinite=nonfinite)
+    return {
+        "local_sgd": lambda: od.local_sgd(inner, period=30, warmup_steps=2, **kw),
+        "diloco": lambda: od.diloco(inner, period=30, **kw),
+        "slowmo": lambda: od.slowmo(inner, period=30, learning_rate=0.1, **kw),
+        "streaming_diloco": lambda: od.streaming_diloco(inner, period=30, num_fragments=2, delay=3, **kw),
+        "partial_average": lambda: od.partial_average(inner, partitions=((0,), (1,)), **kw),
+        "decentralized_sgd": lambda: od.decentralized_sgd(
+            inner, topology=topology.ring(N), global_every=10, **kw
+        ),
+        "sgp": lambda: od.sgp(inner, topology=topology.ring(N), global_every=10, **kw),
+        "daso": lambda: _daso(nonfinite),
+    }[name]()
+
+
+PERIODIC = [
+    "local_sgd",
+    "diloco",
+    "slowmo",
+    "streaming_diloco",
+    "partial_average",
+    "decentralized_sgd",
+    "sgp",
+    "daso",
+]
+# transforms that exchange something on every step (inside a branch of their round's switch)
+EVERY_STEP = {"partial_average", "decentralized_sgd", "sgp"}
+
+
+def traced_step(name: str, harness: str, nonfinite: str):
+    hierarchical = name == "daso"
+    comm = od.AxisComm(("node", "local") if hierarchical else od.REPLICA_AXIS)
+    tx = make(name, nonfinite, comm)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params, value=jnp.sum(grads["b"]))
+        return optax.apply_updates(params, updates), state
+
+    params = od.replicate(params_tree(), N)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.01, params)
+    if harness == "simulate":
+        kw = dict(axis_name=("node", "local"), shape=(2, 2)) if hierarchical else {}
+        state = od.simulate(lambda p: tx.init(p), **kw)(params)
+        run = od.simulate(step, **kw)
+    else:
+        devices = np.asarray(jax.devices()[:N])
+        if hierarchical:
+            mesh = jax.make_mesh(
+                (2, 2), ("node", "local"), devices=list(devices), axis_types=(jax.sharding.AxisType.Auto,) * 2
+            )
+        else:
+            mesh = jax.make_mesh(
+                (N,), (od.REPLICA_AXIS,), devices=list(devices), axis_types=(jax.sharding.AxisType.Auto,)
+            )
+        state = od.on_mesh(lambda p: tx.init(p), mesh)(params)
+        run = od.on_mesh(step, mesh)
+    return jax.make_jaxpr(run)(params, state, grads).jaxpr
+
+
+@pytest.mark.parametrize("where", ["simulate", "mesh"])
+@pytest.mark.parametrize("name", PERIODIC)
+def test_local_step_runs_no_collective_outside_a_branch(name, where):
+    jaxpr = traced_step(name, where, nonfinite="ignore")
+    top = list(unconditional_eqns(jaxpr))
+    names = [e.primitive.name for e in top]
+    assert not [e for e in top if _is_float_collective(e)], (name, where, names)
+    assert not CALLBACKS & set(names), (name, where)
+    big_selects = [
+        e
+        for e in top
+        if e.primitive.name == "select_n" and int(np.prod(e.outvars[0].aval.shape)) >= MIN_PARAM_SIZE
+    ]
+    assert not big_selects, [str(e.outvars[0].aval) for e in big_selects]
+    # the collectives exist, inside the branches (so this test can see them)
+    inside = [e.primitive.name for e in branch_eqns(jaxpr)]
+    assert COLLECTIVES & set(inside), (name, where)
+    assert "pure_callback" in inside or name == "daso"  # the one-time start check
+
+
+@pytest.mark.parametrize("name", ["local_sgd", "diloco", "daso"])
+def test_the_default_nonfinite_skip_adds_no_collective(name):
+    jaxpr = traced_step(name, "simulate", nonfinite="skip")
+    top = list(unconditional_eqns(jaxpr))
+    assert not [e for e in top if _is_float_collective(e)]
+
+
+def test_nonfinite_policy_is_validated():
+    with pytest.raises(ValueError, match=r"nonfinite='drop'; allowed: \('skip', 'ignore'\)"):
+        od.local_sgd(optax.sgd(0.1), comm=od.AxisComm("replica"), period=2, nonfinite="drop")
+
+
+def test_uniform_unbatches_under_vmap_and_adds_nothing_on_a_mesh():
+    comm = od.AxisComm(od.REPLICA_AXIS)
+    counters = jnp.full((N,), 7, jnp.int32)
+    jaxpr = jax.make_jaxpr(od.simulate(lambda t: comm.uniform(t) + 0, jit=False))(counters)
+    assert "pmax" in str(jaxpr)
+    mesh = jax.make_mesh((N,), (od.REPLICA_AXIS,), devices=jax.devices()[:N])
+    jaxpr = jax.make_jaxpr(od.on_mesh(lambda t: comm.uniform(t) + 0, mesh))(counters)
+    assert "pmax" not in str(jaxpr)
+    assert np.asarray(od.simulate(lambda t: comm.uniform(t))(counters)).tolist() == [7] * N
