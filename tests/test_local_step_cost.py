@@ -118,8 +118,6 @@ PERIODIC = [
     "sgp",
     "daso",
 ]
-# transforms that exchange something on every step (inside a branch of their round's switch)
-EVERY_STEP = {"partial_average", "decentralized_sgd", "sgp"}
 
 
 def traced_step(name: str, harness: str, nonfinite: str):
@@ -135,19 +133,13 @@ def traced_step(name: str, harness: str, nonfinite: str):
     grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.01, params)
     if harness == "simulate":
         kw = dict(axis_name=("node", "local"), shape=(2, 2)) if hierarchical else {}
-        state = od.simulate(lambda p: tx.init(p), **kw)(params)
+        state = od.simulate(tx.init, **kw)(params)
         run = od.simulate(step, **kw)
     else:
-        devices = np.asarray(jax.devices()[:N])
-        if hierarchical:
-            mesh = jax.make_mesh(
-                (2, 2), ("node", "local"), devices=list(devices), axis_types=(jax.sharding.AxisType.Auto,) * 2
-            )
-        else:
-            mesh = jax.make_mesh(
-                (N,), (od.REPLICA_AXIS,), devices=list(devices), axis_types=(jax.sharding.AxisType.Auto,)
-            )
-        state = od.on_mesh(lambda p: tx.init(p), mesh)(params)
+        shape, axes = ((2, 2), ("node", "local")) if hierarchical else ((N,), (od.REPLICA_AXIS,))
+        auto = (jax.sharding.AxisType.Auto,) * len(axes)
+        mesh = jax.make_mesh(shape, axes, devices=jax.devices()[:N], axis_types=auto)
+        state = od.on_mesh(tx.init, mesh)(params)
         run = od.on_mesh(step, mesh)
     return jax.make_jaxpr(run)(params, state, grads).jaxpr
 
