@@ -109,6 +109,23 @@ def test_low_precision_wire(harness, dtype):
     assert od.comm_stats(state).by_kind == {f"all_reduce[{dtype}]": od.KindTotals(1, 7 * 2)}
 
 
+def test_narrow_wire_divides_first_by_default(harness):
+    """float16 on the wire: each replica's share g/W is summed, so a mean in range stays finite;
+    SINGA's order (sum, then divide) overflows on the same gradients."""
+    n = harness.n
+    g = np.random.default_rng(4).uniform(20000.0, 60000.0, size=(n, 64)).astype(np.float32)
+    safe = od.allreduce(comm=harness.comm, dtype="float16")
+    singa = od.allreduce(comm=harness.comm, dtype="float16", divide_before=False)
+    mean, summed_first = harness.run(
+        lambda x: (safe.update(x, safe.init(x))[0], singa.update(x, singa.init(x))[0]), g
+    )
+    np.testing.assert_allclose(mean[0], g.mean(0), rtol=2e-3)
+    if n > 1:
+        assert not np.isfinite(summed_first[0]).all()
+    with pytest.raises(ValueError, match="divide_before='yes'; allowed: None, True, False"):
+        od.allreduce(comm=harness.comm, divide_before="yes")
+
+
 def test_average_params_equals_numpy(harness):
     """SGD with momentum locally, then parameter averaging: momentum buffers stay local."""
     n, steps, mom = harness.n, 5, 0.9

@@ -79,9 +79,11 @@ def test_nonfinite_on_one_replica_skips_everywhere(harness):
 
 
 def test_fp16_wire_overflow_is_caught(harness):
-    """The local gradients are finite but their fp16 sum overflows: every replica skips."""
+    """The local gradients are finite but their fp16 sum overflows (SINGA's half mode: sum, then
+    divide): every replica skips."""
     n, comm = harness.n, harness.comm
-    tx = od.skip_nonfinite(optax.chain(od.allreduce(comm=comm, dtype="float16"), optax.sgd(1.0)), comm=comm)
+    half = od.allreduce(comm=comm, dtype="float16", divide_before=False)
+    tx = od.skip_nonfinite(optax.chain(half, optax.sgd(1.0)), comm=comm)
     g = np.full((n, 3), 60000.0, np.float32)
     params = np.zeros((n, 3), np.float32)
     upd, state = harness.run(lambda gg, p: tx.update(gg, tx.init(p), p), g, params)

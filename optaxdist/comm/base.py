@@ -21,6 +21,7 @@ PyTree = Any
 Permutation = Sequence[tuple[int, int]]
 
 COMM_DTYPES = ("float32", "bfloat16", "float16")
+NARROW_WIRE_DTYPES = ("bfloat16", "float16")
 
 
 def canonical_comm_dtype(dtype: Any, *, name: str = "dtype") -> jnp.dtype | None:
@@ -34,6 +35,15 @@ def canonical_comm_dtype(dtype: Any, *, name: str = "dtype") -> jnp.dtype | None
     if dt.name not in COMM_DTYPES:
         raise ValueError(f"{name}={dtype!r} is not supported; allowed: None, {COMM_DTYPES}")
     return dt
+
+
+def divides_first(leaf_dtype: Any, wire_dtype: Any) -> bool:
+    """Whether a mean sent as ``wire_dtype`` (None: the leaf's own) divides by the group size
+    *before* the sum: yes for a 16-bit float on the wire, whose sum of ``W`` values could overflow
+    (float16 above 65504) or lose the small terms where the mean would not (PyTorch's
+    ``fp16_compress_hook`` and ``bf16_compress_hook`` divide first too)."""
+    on_wire = jnp.dtype(leaf_dtype if wire_dtype is None else wire_dtype)
+    return jnp.issubdtype(leaf_dtype, jnp.floating) and on_wire.name in NARROW_WIRE_DTYPES
 
 
 def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
@@ -103,13 +113,25 @@ class Communicator(abc.ABC):
         return jax.tree.map(one, tree)
 
     def pmean(self, tree: PyTree, *, dtype: Any = None) -> PyTree:
-        """All-reduce mean: ``psum`` followed by division by ``size`` in each leaf's dtype (a division,
-        not a multiplication by ``1/size``, so the result is bitwise ``torch``'s ``sum / W``)."""
+        """All-reduce mean. With float32 or float64 on the wire: ``psum`` followed by division by
+        ``size`` in each leaf's dtype (a division, not a multiplication by ``1/size``, so the result
+        is bitwise ``torch``'s ``sum / W``). With a 16-bit float on the wire (``dtype``, or the
+        leaf's own): division first, in the leaf's dtype, so the sum stays in range
+        (``divides_first``)."""
         for x in jax.tree.leaves(tree):
             if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
                 raise TypeError(f"pmean needs floating-point leaves, got {jnp.asarray(x).dtype}")
+        dt = canonical_comm_dtype(dtype)
         size = self.size
-        return jax.tree.map(lambda s: s / jnp.asarray(size, s.dtype), self.psum(tree, dtype=dtype))
+
+        def one(x):
+            x = jnp.asarray(x)
+            w = jnp.asarray(size, x.dtype)
+            if divides_first(x.dtype, dt):
+                return self.psum(x / w, dtype=dt)
+            return self.psum(x, dtype=dt) / w
+
+        return jax.tree.map(one, tree)
 
     def psum_scatter(self, x: jax.Array) -> jax.Array:
         """Reduce-scatter of a flat vector whose length is a multiple of ``size``: member ``i`` gets

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes
-from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
 
 REDUCE_OPS = ("mean", "sum", "custom")
 
@@ -30,7 +30,7 @@ def allreduce(
     *,
     comm: Communicator,
     op: Literal["mean", "sum", "custom"] = "mean",
-    divide_before: bool = False,
+    divide_before: bool | None = None,
     dtype: Any = None,
     clip_value: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -59,7 +59,10 @@ def allreduce(
     Args:
       comm: the group of replicas to reduce over.
       op: ``"mean"`` (default), ``"sum"``, or ``"custom"`` (divide by ``denominator=``).
-      divide_before: divide by ``D`` before the sum instead of after (keeps fp16 sums in range).
+      divide_before: divide by ``D`` before the sum instead of after. None (default): before
+        when the type on the wire is 16-bit (``bfloat16``/``float16``, given as ``dtype`` or the
+        gradient's own), so that a float16 sum cannot overflow where the mean would not; after
+        otherwise (bitwise ``sum / W``). ``False`` reproduces SINGA's half mode.
       dtype: type on the wire: None (each gradient's dtype), ``float32``, ``bfloat16`` or
         ``float16`` (SINGA's half mode). Sums are computed in this dtype.
       clip_value: if set, clip every local gradient element to ``[-clip_value, clip_value]`` before
@@ -86,6 +89,8 @@ def allreduce(
     """
     if op not in REDUCE_OPS:
         raise ValueError(f"op={op!r} is not supported; allowed: {REDUCE_OPS}")
+    if divide_before not in (None, True, False):
+        raise ValueError(f"divide_before={divide_before!r}; allowed: None, True, False")
     wire_dtype = canonical_comm_dtype(dtype)
     if clip_value is not None and not clip_value > 0:
         raise ValueError(f"clip_value={clip_value!r} must be None or a positive number")
@@ -105,14 +110,16 @@ def allreduce(
         else:
             denom = jnp.asarray(comm.size if op == "mean" else 1, jnp.float32)
 
+        def first(g):
+            return divides_first(g.dtype, wire_dtype) if divide_before is None else divide_before
+
         def prepare(g):
             if clip_value is not None:
                 g = jnp.clip(g, -clip_value, clip_value)
-            return g / denom.astype(g.dtype) if divide_before else g
+            return g / denom.astype(g.dtype) if first(g) else g
 
         reduced = comm.psum(jax.tree.map(prepare, updates), dtype=wire_dtype)
-        if not divide_before:
-            reduced = jax.tree.map(lambda g: g / denom.astype(g.dtype), reduced)
+        reduced = jax.tree.map(lambda r, g: r if first(g) else r / denom.astype(r.dtype), reduced, updates)
         kind = kind_name("all_reduce", updates, wire_dtype)
         return reduced, AllReduceState(state.allreduce_ledger.record(kind))
 

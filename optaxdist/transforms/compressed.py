@@ -10,7 +10,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from optaxdist.accounting import CommLedger, payload_bytes, per_replica
-from optaxdist.comm.base import Communicator
+from optaxdist.comm.base import Communicator, divides_first
 from optaxdist.compress.base import Compressor
 from optaxdist.transforms.allreduce import allreduce
 
@@ -33,6 +33,12 @@ class CompressedAllReduceState(NamedTuple):
     compressed_ledger: CommLedger
 
 
+def _narrow_payload(compressor: Compressor, vecs: list[jax.Array], keys: list[jax.Array]) -> bool:
+    """Whether some payload of ``compressor`` carries 16-bit floats (decided from shapes only)."""
+    shapes = [jax.eval_shape(compressor.encode, v, k) for v, k in zip(vecs, keys)]
+    return any(divides_first(x.dtype, None) for x in jax.tree.leaves(shapes))
+
+
 def compressed_allreduce(
     compressor: Compressor,
     *,
@@ -53,6 +59,8 @@ def compressed_allreduce(
     where ``combine`` is :math:`\frac1W\sum_i D(C(v_i))` for every compressor except the plain sign
     (majority vote: :math:`\mathrm{sign}\sum_i \mathrm{sign}(v_i)`). Without error feedback,
     :math:`e_i = 0`. ``sent + residual == v`` holds exactly for the sparsifiers and the casts.
+    A summed 16-bit payload (the casts) is the share :math:`C(v_i / W)`, decoded as
+    :math:`W\,D(C(v_i / W))`, so that a float16 sum cannot overflow where the mean would not.
 
     Communication (per step, fused over leaves, ``W`` replicas, ``d`` elements per vector, ``k``
     kept entries):
@@ -135,16 +143,21 @@ def compressed_allreduce(
             v_tree = jax.tree.map(lambda g, e: g.astype(residual_dtype) + e, updates, state.error)
         vecs, rebuild = vectors_of(v_tree)
         ks = keys(state.compress_step, len(vecs))
-        payloads = [compressor.encode(v, k) for v, k in zip(vecs, ks)]
+        # A 16-bit payload that is summed (the casts) is the mean's share v / W, so the float16 sum
+        # stays in range wherever the mean is (see optaxdist.comm.base.divides_first).
+        first = compressor.exchange == "all_reduce" and _narrow_payload(compressor, vecs, ks)
+        share = jnp.asarray(comm.size if first else 1, residual_dtype)
+        payloads = [compressor.encode(v / share if first else v, k) for v, k in zip(vecs, ks)]
         if compressor.exchange == "all_reduce":
             received = comm.psum(payloads)
         else:
             received = comm.all_gather(payloads)
-        averaged = [compressor.combine(r, v.shape[0], comm.size, k) for r, v, k in zip(received, vecs, ks)]
+        world = 1 if first else comm.size
+        averaged = [compressor.combine(r, v.shape[0], world, k) for r, v, k in zip(received, vecs, ks)]
         out = jax.tree.map(lambda a, g: a.astype(g.dtype), rebuild(averaged), updates)
         error = state.error
         if error_feedback:
-            sent = [compressor.decode(p, v.shape[0], k) for p, v, k in zip(payloads, vecs, ks)]
+            sent = [share * compressor.decode(p, v.shape[0], k) for p, v, k in zip(payloads, vecs, ks)]
             error = jax.tree.map(lambda v, s: v - s.astype(residual_dtype), v_tree, rebuild(sent))
         return out, CompressedAllReduceState(
             compress_step=optax.safe_increment(state.compress_step),
