@@ -11,6 +11,7 @@ derived here once, so the backends cannot disagree about it.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -76,6 +77,11 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _psum_scatter(self, x: jax.Array) -> jax.Array:
         """Sum over members of ``x`` (length ``size·L``), returning this member's block of ``L``."""
+
+    def describe(self) -> dict[str, Any]:
+        """The group as plain data, the same on every member (for configuration agreement)."""
+        fields = dataclasses.fields(self) if dataclasses.is_dataclass(self) else ()
+        return {"type": type(self).__name__, **{f.name: repr(getattr(self, f.name)) for f in fields}}
 
     def varying(self, tree: PyTree) -> PyTree:
         """Mark values as per-replica (shard_map's ``pcast``); the identity for other backends."""

@@ -60,6 +60,14 @@ class MpiComm(Communicator):
     def index(self) -> jax.Array:
         return jnp.asarray(self.rank, jnp.int32)
 
+    def describe(self) -> dict[str, Any]:
+        return {"type": "MpiComm", "size": self.size}
+
+    def host_allgather(self, data: bytes) -> list[bytes]:
+        """Every process's ``data`` (host bytes, any length), outside compiled code: mpi4py's
+        ``allgather``, the same collectives on every process whatever the lengths."""
+        return [bytes(d) for d in self.comm.allgather(bytes(data))]
+
     def _check_single_device(self, x: jax.Array) -> None:
         if manual_axes():
             raise RuntimeError(

@@ -18,7 +18,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optaxdist.accounting import CommLedger
+from optaxdist.agreement import DIGEST_BYTES, DIGEST_KIND, agree, describe_step
 from optaxdist.comm.base import Communicator
+from optaxdist.parallel.multihost import host_allgather
 
 PyTree = Any
 REPLICA_AXIS = "replica"
@@ -75,19 +78,50 @@ def simulate(
     return jax.jit(run) if jit else run
 
 
+class AgreedStep:
+    """A compiled step that checks, at its first call, that every process runs the same
+    configuration (``optaxdist.agreement``) before any collective of the step runs.
+
+    ``agreement`` is the ``CommLedger`` of the bytes that check exchanged (no events in one
+    process, or with ``check_config=False``). Everything else (``lower``, ``trace``, ...) is the
+    jitted function's.
+    """
+
+    def __init__(
+        self,
+        jitted: Callable[..., Any],
+        traced: Callable[..., Any],
+        allgather: Callable[[bytes], list[bytes]] | None,
+        who: str,
+    ):
+        self._jitted, self._traced, self._allgather, self._who = jitted, traced, allgather, who
+        self.agreement = CommLedger.create({DIGEST_KIND: DIGEST_BYTES})
+
+    def __call__(self, *args: Any) -> Any:
+        if self._allgather is not None:
+            allgather, self._allgather = self._allgather, None
+            self.agreement = agree(describe_step(self._traced, *args), allgather, who=self._who)
+        return self._jitted(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jitted, name)
+
+
 def on_mesh(
     step: Callable[..., Any],
     mesh: Mesh,
     *,
     axis_name: str | Sequence[str] | None = None,
-) -> Callable[..., Any]:
+    check_config: bool = True,
+) -> AgreedStep:
     """Run ``step`` with one replica per device of ``mesh``: ``jax.shard_map`` over stacked inputs.
 
     The leading axis of every argument is split over ``axis_name`` (default: all mesh axes,
     row-major), so each device runs ``step`` on its own row with per-replica (varying) values; in
     particular gradients taken inside ``step`` are each replica's local gradients. Works for a mesh
     spanning several hosts under ``jax.distributed`` when the inputs are global arrays
-    (``global_replica_array``).
+    (``global_replica_array``); there, unless ``check_config=False``, the first call checks that
+    every process runs the same configuration (``AgreedStep``).
     """
     names = _names(mesh.axis_names if axis_name is None else axis_name)
     missing = [a for a in names if a not in mesh.axis_names]
@@ -108,16 +142,25 @@ def on_mesh(
     def run(*args):
         return mapped(*jax.tree.map(lambda x: place(x, sharding), args))
 
-    return jax.jit(run)
+    many = check_config and jax.process_count() > 1
+    return AgreedStep(jax.jit(run), run, host_allgather if many else None, "processes")
 
 
-def on_mpi(step: Callable[..., Any]) -> Callable[..., Any]:
+def on_mpi(step: Callable[..., Any], *, comm: Any = None, check_config: bool = True) -> AgreedStep:
     """Run ``step`` under MPI: one process per device, each calling it on its own (unstacked) data.
 
-    This is ``jax.jit(step)``; it exists so the three harnesses read alike. Launch with
-    ``mpirun -n N python script.py`` and build the step's communicator with ``MpiComm()``.
+    This is ``jax.jit(step)`` whose first call checks, unless ``check_config=False``, that every
+    process of ``comm`` (an ``MpiComm``; default: ``COMM_WORLD``) runs the same configuration
+    (``AgreedStep``). Launch with ``mpirun -n N python script.py`` and build the step's
+    communicator with ``MpiComm()``.
     """
-    return jax.jit(step)
+    allgather = None
+    if check_config:
+        from optaxdist.comm.mpi import MpiComm
+
+        comm = MpiComm() if comm is None else comm
+        allgather = comm.host_allgather if comm.size > 1 else None
+    return AgreedStep(jax.jit(step), step, allgather, "ranks")
 
 
 def broadcast_from_root(tree: PyTree, *, comm: Communicator, root: int = 0) -> PyTree:

@@ -43,3 +43,17 @@ def global_replica_array(local_rows: Any, mesh: Mesh, *, axis_name: str | Sequen
     names = mesh.axis_names if axis_name is None else axis_name
     sharding = NamedSharding(mesh, P(tuple(names) if not isinstance(names, str) else names))
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), local_rows)
+
+
+def host_allgather(data: bytes) -> list[bytes]:
+    """Every process's ``data`` (host bytes, any length) under ``jax.distributed``: the lengths,
+    then the bytes padded to the longest, each with ``process_allgather`` (the same collectives, of
+    the same shapes, on every process whatever the lengths)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(bytes(data), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([mine.size], np.int32))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: mine.size] = mine
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [row[:n].tobytes() for row, n in zip(rows, lengths)]

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
 
 REDUCE_OPS = ("mean", "sum", "custom")
@@ -26,6 +27,7 @@ class AllReduceState(NamedTuple):
     allreduce_ledger: CommLedger
 
 
+@configured("allreduce")
 def allreduce(
     *,
     comm: Communicator,
@@ -132,6 +134,7 @@ class AverageParamsState(NamedTuple):
     average_params_ledger: CommLedger
 
 
+@configured("average_params")
 def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTransformationExtraArgs:
     r"""Average the parameters after every local step (mlbench ``agg_grad=False``).
 

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist.agreement import configured
+
 
 class AveragedIterateState(NamedTuple):
     """State of ``averaged_iterate`` (per replica): iterates seen and their weighted average."""
@@ -16,6 +18,7 @@ class AveragedIterateState(NamedTuple):
     averaged_params: optax.Params
 
 
+@configured("averaged_iterate")
 def averaged_iterate(shift: float) -> optax.GradientTransformationExtraArgs:
     r"""Keep :math:`\hat w_T = \sum_{t \le T} (a+t)^2 w_t \,/\, \sum_{t \le T} (a+t)^2` of the iterates.
 

@@ -10,6 +10,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, divides_first
 from optaxdist.compress.base import Compressor
 from optaxdist.transforms.allreduce import allreduce
@@ -39,6 +40,7 @@ def _narrow_payload(compressor: Compressor, vecs: list[jax.Array], keys: list[ja
     return any(divides_first(x.dtype, None) for x in jax.tree.leaves(shapes))
 
 
+@configured("compressed_allreduce")
 def compressed_allreduce(
     compressor: Compressor,
     *,
@@ -176,6 +178,7 @@ class ExactWarmupState(NamedTuple):
     compressed_state: optax.OptState
 
 
+@configured("exact_warmup")
 def exact_warmup(
     compressed: optax.GradientTransformation,
     *,

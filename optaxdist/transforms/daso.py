@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import check_nonfinite, local_step
 
@@ -128,6 +129,7 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name}={value!r} must be an int ≥ {low}")
 
 
+@configured("daso")
 def daso(
     inner: optax.GradientTransformation,
     *,

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.topology import Topology
 from optaxdist.transforms._checks import check_nonfinite, local_step
@@ -99,6 +100,7 @@ class DecentralizedSgdState(NamedTuple):
     gossip_ledger: CommLedger
 
 
+@configured("decentralized_sgd")
 def decentralized_sgd(
     inner: optax.GradientTransformation,
     *,
@@ -207,6 +209,7 @@ class SgpState(NamedTuple):
     gossip_ledger: CommLedger
 
 
+@configured("sgp")
 def sgp(
     inner: optax.GradientTransformation,
     *,

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import check_nonfinite, local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
@@ -50,6 +51,7 @@ def _float_leaves(tree):
     return [x for x in jax.tree.leaves(tree) if _is_float(x)]
 
 
+@configured("local_sgd")
 def local_sgd(
     inner: optax.GradientTransformation,
     *,

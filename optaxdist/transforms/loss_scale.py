@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from optaxdist.accounting import CommLedger, keep_ledgers
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.transforms._checks import all_finite
 
@@ -45,6 +46,7 @@ def _raise_min_scale(exhausted) -> None:
         raise FloatingPointError("Minimum loss scale reached: the gradients keep overflowing")
 
 
+@configured("dynamic_loss_scale")
 def dynamic_loss_scale(
     inner: optax.GradientTransformation,
     *,
@@ -158,6 +160,7 @@ def dynamic_loss_scale(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@configured("mlbench_loss_scale")
 def mlbench_loss_scale(
     inner: optax.GradientTransformation, *, comm: Communicator | None = None, **overrides: Any
 ) -> optax.GradientTransformationExtraArgs:
@@ -174,6 +177,7 @@ def mlbench_loss_scale(
     return dynamic_loss_scale(inner, comm=comm, **(kw | overrides))
 
 
+@configured("pytorch_loss_scale")
 def pytorch_loss_scale(
     inner: optax.GradientTransformation, *, comm: Communicator | None = None, **overrides: Any
 ) -> optax.GradientTransformationExtraArgs:
@@ -183,6 +187,7 @@ def pytorch_loss_scale(
     return dynamic_loss_scale(inner, comm=comm, **(kw | overrides))
 
 
+@configured("skip_nonfinite")
 def skip_nonfinite(
     inner: optax.GradientTransformation, *, comm: Communicator | None = None
 ) -> optax.GradientTransformationExtraArgs:

@@ -16,6 +16,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.transforms._checks import check_float_leaves, check_nonfinite, local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
@@ -44,6 +45,7 @@ class OuterSyncState(NamedTuple):
     outer_ledger: CommLedger
 
 
+@configured("outer_sync")
 def outer_sync(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation,
@@ -236,6 +238,7 @@ def diloco_outer_optimizer(
     return optax.sgd(learning_rate, momentum=momentum, nesterov=nesterov)
 
 
+@configured("diloco")
 def diloco(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation | None = None,
@@ -326,6 +329,7 @@ def slowmo_outer_optimizer(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+@configured("slowmo")
 def slowmo(
     inner: optax.GradientTransformation,
     *,

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from optaxdist.accounting import CommLedger, dtype_label, payload_bytes, per_replica
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.transforms._checks import check_nonfinite, local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
@@ -89,6 +90,7 @@ class PartialAverageState(NamedTuple):
     partial_ledger: CommLedger
 
 
+@configured("partial_average")
 def partial_average(
     inner: optax.GradientTransformation,
     *,
@@ -201,6 +203,7 @@ class StreamingDilocoState(NamedTuple):
     stream_ledger: CommLedger
 
 
+@configured("streaming_diloco")
 def streaming_diloco(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation | None = None,

@@ -20,6 +20,7 @@ import optax
 
 from optaxdist._compat import pcast_varying, varying_axes
 from optaxdist.accounting import CommLedger
+from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 
 P_KIND = "powersgd_p[float32]"
@@ -198,6 +199,7 @@ def _like(new, old):
     return jax.tree.map(lambda n, o: pcast_varying(n, tuple(varying_axes(o))), new, old)
 
 
+@configured("powersgd")
 def powersgd(
     *,
     comm: Communicator,

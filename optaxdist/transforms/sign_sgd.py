@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist.agreement import configured
 from optaxdist.transforms._checks import check_sgd_hyperparameters
 
 
@@ -18,6 +19,7 @@ class SignSgdState(NamedTuple):
     sign_momentum: optax.Updates
 
 
+@configured("sign_sgd")
 def sign_sgd(
     learning_rate: optax.ScalarOrSchedule,
     *,

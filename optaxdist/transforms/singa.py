@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist.agreement import configured
 from optaxdist.transforms._checks import check_sgd_hyperparameters
 
 
@@ -40,6 +41,7 @@ class SingaSgdState(NamedTuple):
     momentum_buffer: optax.Updates
 
 
+@configured("singa_sgd")
 def singa_sgd(
     learning_rate: optax.ScalarOrSchedule = 0.1,
     *,
