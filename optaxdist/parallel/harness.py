@@ -128,19 +128,25 @@ def on_mesh(
     if missing:
         raise ValueError(f"axis_name {missing} not in the mesh axes {mesh.axis_names}")
     spec = P(names)
-    sharding = NamedSharding(mesh, spec)
+    model_axes = [a for a in mesh.axis_names if a not in names]
 
     def per_device(*args):
         rows = jax.tree.map(lambda x: x[0], args)
         return jax.tree.map(lambda x: jnp.expand_dims(x, 0), step(*rows))
 
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec)
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(names))
 
     explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
     place = jax.reshard if explicit else jax.lax.with_sharding_constraint
 
+    def placed(x):
+        # The replica axis leads; the other dimensions keep whatever sharding over the model axes
+        # the caller (or the compiler) gave them.
+        rest = (P.UNCONSTRAINED,) * (jnp.ndim(x) - 1) if model_axes and not explicit else ()
+        return place(x, NamedSharding(mesh, P(names, *rest)))
+
     def run(*args):
-        return mapped(*jax.tree.map(lambda x: place(x, sharding), args))
+        return mapped(*jax.tree.map(placed, args))
 
     many = check_config and jax.process_count() > 1
     return AgreedStep(jax.jit(run), run, host_allgather if many else None, "processes")

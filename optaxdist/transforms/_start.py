@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optaxdist._compat import manual_axes
 from optaxdist.accounting import CommLedger, per_replica
 from optaxdist.comm.base import Communicator
 
@@ -72,6 +73,15 @@ def check_identical_start(
     """
     if not check_start:
         return ledger
+    mesh = jax.sharding.get_abstract_mesh()
+    if set(manual_axes()) and set(manual_axes()) != set(mesh.axis_names):
+        raise ValueError(
+            "check_start=True cannot run inside a shard_map that leaves mesh axes "
+            f"{sorted(set(mesh.axis_names) - set(manual_axes()))} to the compiler (JAX runs no host "
+            "callback under partial automatic sharding): start the replicas from identical "
+            "parameters (optaxdist.replicate, or broadcast_from_root in a first step) and pass "
+            "check_start=False"
+        )
 
     def first(led):
         mine = fingerprint(params)

@@ -177,7 +177,7 @@ def orthonormalize(a: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
         kept = jax.lax.dynamic_update_index_in_dim(kept, ok, i, axis=-1)
         return out, kept
 
-    init = (jnp.zeros_like(a), jnp.zeros(a.shape[:-2] + (r,), jnp.bool_))
+    init = _like((jnp.zeros_like(a), jnp.zeros(a.shape[:-2] + (r,), jnp.bool_)), (a, a))
     if r == 1:
         return column(0, init)
     return jax.lax.fori_loop(0, r, column, init)
