@@ -1,0 +1,77 @@
+"""What the checkpoint and elastic tests share: every public transform of the contract suite
+(tests/test_contract.py's factories, built for a given communicator and world size), one train step
+on the least-squares problem, and exact comparison of trees."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import tests.test_contract as contract
+from tests.problems import grad_fn, init_params, replica_data
+
+NAMES = sorted(contract.TRANSFORMS)
+K = 3  # save at step K, continue to 2K (DASO's epochs are 2 batches: see elastic_steps)
+
+
+@contextlib.contextmanager
+def _contract_globals(comm, n):
+    """The contract factories read the module globals COMM (their communicator) and N (ring size,
+    SlowMo's num_shards) when called: build them for another communicator / world size."""
+    saved = contract.COMM, contract.N
+    contract.COMM, contract.N = comm, n
+    try:
+        yield
+    finally:
+        contract.COMM, contract.N = saved
+
+
+def make(name: str, comm, n: int) -> optax.GradientTransformationExtraArgs:
+    with _contract_globals(comm, n):
+        return contract.TRANSFORMS[name][0]()
+
+
+def step_fn(tx):
+    """One replica's train step on its batch (``value=`` feeds DASO's plateau detector)."""
+
+    def step(params, state, x, y):
+        grads = grad_fn(params, x, y)
+        updates, state = tx.update(grads, state, params, value=jnp.float32(0.5) + jnp.mean(x))
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def params_row():
+    return jax.tree.map(jnp.asarray, init_params())
+
+
+def data(n: int, steps: int):
+    return replica_data(n, steps)
+
+
+def assert_trees_identical(got, want, what: str = "") -> None:
+    """Same structure, dtypes, shapes and bits (NaNs equal) on every leaf."""
+    assert jax.tree.structure(got) == jax.tree.structure(want), what
+    gl = jax.tree_util.tree_leaves_with_path(got)
+    for (path, a), b in zip(gl, jax.tree.leaves(want)):
+        a, b = np.asarray(a), np.asarray(b)
+        where = f"{what}{jax.tree_util.keystr(path)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype, a.shape, b.shape)
+        assert np.array_equal(a, b, equal_nan=True), (where, np.max(np.abs(a.astype(np.float64) - b)))
+
+
+def host(tree):
+    """A tree of global (possibly multi-process) arrays as this process's rows, in NumPy."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+            return np.concatenate([np.asarray(s.data) for s in shards])
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
