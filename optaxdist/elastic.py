@@ -38,9 +38,11 @@ Algorithm-specific rules:
 * ``OuterSyncState`` with ``num_shards`` (memory-efficient SlowMo/DiLoCo): the anchor and outer
   state blocks are concatenated and re-split into ``M`` blocks of ``ceil(P / M)`` elements; the
   static payloads of its reduce-scatter / all-gather ledger kinds are recomputed for ``M``.
-* ``DasoState``: the node size is kept, so ``M`` must be a multiple of ``node_size=``; a resize
-  with a pending (not yet merged) cross-node send is refused (resize at an epoch end, where DASO
-  is blocking); the unused pending-sum buffer is zeroed.
+* ``DasoState``: ``M`` must be a multiple of ``node_size=`` (the new configuration's replicas per
+  node, DASO's ``local_comm`` size); a resize with a pending (not yet merged) cross-node send is
+  refused (resize at an epoch end, where DASO is blocking); the unused pending-sum buffer is
+  zeroed; the rotating group indices ``send_group`` / ``previous_send_group`` are taken modulo
+  ``node_size``.
 * Gossip states (``DecentralizedSgdState``, ``SgpState``): ``topology=`` must accept ``M``.
 
 A resize is meant to happen at a synchronisation point (after an all-reduce step, a local-SGD or
@@ -272,8 +274,9 @@ def _ledger(ledger: CommLedger, m: int, path: str, payloads=None) -> CommLedger:
 
 
 class _Resizer:
-    def __init__(self, n: int, m: int, exact: bool, param_size: int):
+    def __init__(self, n: int, m: int, exact: bool, param_size: int, node_size: int | None):
         self.n, self.m, self.exact, self.param_size = n, m, exact, param_size
+        self.node_size = node_size
 
     def walk(self, node, rule: str, path: str):
         if _is_ledger(node):
@@ -293,6 +296,10 @@ class _Resizer:
                     fields[name] = jax.tree.map(lambda x: np.zeros((self.m,) + x.shape[1:], x.dtype), value)
                 else:
                     fields[name] = self.walk(value, rule if sub is INHERIT else sub, where)
+            if isinstance(node, DasoState):  # group indices in the new node
+                for name in ("send_group", "previous_send_group"):
+                    g = fields[name]
+                    fields[name] = np.where(g >= 0, g % self.node_size, g).astype(g.dtype)
             return type(node)(**fields)
         if isinstance(node, tuple) and hasattr(node, "_fields"):
             return type(node)(*(self.walk(v, rule, f"{path}.{k}") for k, v in zip(node._fields, node)))
@@ -388,15 +395,16 @@ def resize_replicas(
       opt_state: the stacked optimizer state of the same run (any nesting of optaxdist and optax
         states); each leaf follows ``RULES`` (see the module docstring).
       new_n: the new number of replicas (≥ 1).
-      node_size: replicas per node of a hierarchical run (DASO's ``local_comm`` size, hierarchical
-        local SGD); ``new_n`` must be a multiple of it. Required when the state holds a ``DasoState``.
+      node_size: replicas per node of the new hierarchical configuration (DASO's ``local_comm``
+        size, hierarchical local SGD's); ``new_n`` must be a multiple of it. Required when the state
+        holds a ``DasoState``.
       topology: for gossip states, the new topology or its family (``n -> Topology``), which must
         accept ``new_n``.
       exact_residuals: refuse (``ValueError``) to round an error-feedback residual sum that
         ``new_n`` values can't hold exactly (False: round the remainder into replica 0).
       like: optional: the new configuration's stacked state (arrays or ``ShapeDtypeStruct``s, e.g.
-        ``jax.eval_shape`` of the new init); the result is checked against its structure, shapes
-        and dtypes, and ledgers take its static payloads.
+        ``jax.eval_shape`` of the new init); the result is checked against its structure, shapes,
+        dtypes and ledgers' static kinds and payloads (``ValueError`` naming the first difference).
 
     Returns:
       ``(params, opt_state)`` stacked over ``new_n`` replicas, as NumPy arrays, ready to be placed on
@@ -430,9 +438,9 @@ def resize_replicas(
     dasos = _find(opt_state, DasoState)
     if dasos:
         if node_size is None:
-            raise ValueError("resizing a DASO state needs node_size= (the replicas per node, which is kept)")
-        if n % node_size:
-            raise ValueError(f"the saved state has N={n} replicas, not a multiple of node_size={node_size}")
+            raise ValueError(
+                "resizing a DASO state needs node_size= (replicas per node in the new configuration)"
+            )
         for d in dasos:
             if np.any(np.asarray(d.pending_valid)):
                 raise ValueError(
@@ -443,7 +451,7 @@ def resize_replicas(
         _check_topology(topology, new_n)
 
     param_size = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(params))
-    resizer = _Resizer(n, new_n, exact_residuals, param_size)
+    resizer = _Resizer(n, new_n, exact_residuals, param_size, node_size)
     sgps = _find(opt_state, SgpState)
     if len(sgps) > 1:
         raise ValueError("more than one SgpState in opt_state: the parameters have one push-sum weight")
@@ -485,7 +493,10 @@ def _match_like(state, like, m: int):
             if x.kinds != ref.kinds:
                 where = jax.tree_util.keystr(path)
                 raise ValueError(f"{where}: ledger kinds {x.kinds} vs {ref.kinds} in like=")
-            return CommLedger(x.counts, x.kinds, ref.payloads)
+            if x.payloads != ref.payloads:
+                where = jax.tree_util.keystr(path)
+                raise ValueError(f"{where}: ledger payloads {x.payloads} vs {ref.payloads} in like=")
+            return x
         if tuple(np.shape(x)) != tuple(ref.shape) or np.dtype(x.dtype) != np.dtype(ref.dtype):
             raise ValueError(
                 f"{jax.tree_util.keystr(path)}: resized to {np.shape(x)} {x.dtype}, like= has "

@@ -15,6 +15,17 @@ import tests.test_contract as contract
 from tests.problems import grad_fn, init_params, replica_data
 
 NAMES = sorted(contract.TRANSFORMS)
+# One transform per kind of state, run by default; the others are marked slow (on 2 loaded cores
+# each transform costs 2-11 s of compilation per harness and world size).
+FAST = (
+    "allreduce",  # replicated ledger only
+    "compressed_top_k",  # per-replica error-feedback residuals
+    "powersgd",  # replicated Q, per-replica residuals
+    "local_sgd",  # per-replica inner state (momentum), averaged
+    "slowmo_memory_efficient",  # anchor and outer state sharded over the replicas
+    "sgp_overlap",  # push-sum weights and mass in flight
+    "dynamic_loss_scale",  # nested states, replicated loss scale
+)
 K = 3  # save at step K, continue to 2K (DASO's epochs are 2 batches: see elastic_steps)
 
 
@@ -28,6 +39,13 @@ def _contract_globals(comm, n):
         yield
     finally:
         contract.COMM, contract.N = saved
+
+
+def fast_or_slow(names=NAMES, fast=FAST) -> list:
+    """pytest params: the names in ``fast`` run by default, the others are marked slow."""
+    import pytest
+
+    return [n if n in fast else pytest.param(n, marks=pytest.mark.slow) for n in names]
 
 
 def make(name: str, comm, n: int) -> optax.GradientTransformationExtraArgs:
