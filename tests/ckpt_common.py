@@ -11,20 +11,32 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import optaxdist as od
 import tests.test_contract as contract
 from tests.problems import grad_fn, init_params, replica_data
 
-NAMES = sorted(contract.TRANSFORMS)
+
+def _composed(comm, n):
+    """A composition: DiLoCo whose pseudo-gradients go through top-k with error feedback (a
+    per-replica residual inside a replicated outer state), under loss scaling, in a chain."""
+    del n
+    reducer = od.compressed_allreduce(od.compress.top_k(fraction=0.5), comm=comm)
+    inner = od.diloco(optax.sgd(0.05, momentum=0.9), comm=comm, period=2, reducer=reducer)
+    return optax.chain(optax.clip_by_global_norm(10.0), od.dynamic_loss_scale(inner, comm=comm))
+
+
+EXTRA = {"composed_diloco_top_k": _composed}
+NAMES = sorted(contract.TRANSFORMS) + sorted(EXTRA)
 # One transform per kind of state, run by default; the others are marked slow (on 2 loaded cores
 # each transform costs 2-11 s of compilation per harness and world size).
 FAST = (
     "allreduce",  # replicated ledger only
     "compressed_top_k",  # per-replica error-feedback residuals
     "powersgd",  # replicated Q, per-replica residuals
-    "local_sgd",  # per-replica inner state (momentum), averaged
     "slowmo_memory_efficient",  # anchor and outer state sharded over the replicas
     "sgp_overlap",  # push-sum weights and mass in flight
     "dynamic_loss_scale",  # nested states, replicated loss scale
+    "composed_diloco_top_k",  # per-replica inner momentum; a residual inside DiLoCo's reducer
 )
 K = 3  # save at step K, continue to 2K (DASO's epochs are 2 batches: see elastic_steps)
 
@@ -49,6 +61,8 @@ def fast_or_slow(names=NAMES, fast=FAST) -> list:
 
 
 def make(name: str, comm, n: int) -> optax.GradientTransformationExtraArgs:
+    if name in EXTRA:
+        return EXTRA[name](comm, n)
     with _contract_globals(comm, n):
         return contract.TRANSFORMS[name][0]()
 

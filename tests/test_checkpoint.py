@@ -91,13 +91,13 @@ def test_resume_is_bit_identical_mesh(name, tmp_path):
 
 
 def test_a_changed_state_is_not_bit_identical(tmp_path):
-    """The comparison can fail: one ulp in one residual after the restore shows up at step 2K."""
+    """The comparison can fail: a small change of one residual after the restore shows at 2K."""
     name, harness = "compressed_top_k", "vmap"
     xs, ys = data(N, 2 * K)
     reference = jax.tree.map(np.asarray, run_steps(name, harness, N, fresh(name, harness), 0, 2 * K, xs, ys))
     params, state = run_steps(name, harness, N, fresh(name, harness), 0, K, xs, ys)
     err = state.error["w"]
-    err = err.at[3, 0, 0].set(jnp.nextafter(err[3, 0, 0], jnp.float32(1.0)))
+    err = err.at[3, 0, 0].add(jnp.float32(1e-3))
     state = state._replace(error=dict(state.error, w=err))
     resumed = run_steps(name, harness, N, (params, state), K, 2 * K, xs, ys)
     with pytest.raises(AssertionError):

@@ -41,6 +41,7 @@ SYNCED_PARAMS = {
     "dynamic_loss_scale",
     "daso",
     "daso_heat",
+    "composed_diloco_top_k",
 }
 assert set(NAMES) >= SYNCED_PARAMS
 
