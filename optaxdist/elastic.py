@@ -312,9 +312,9 @@ class _Resizer:
         leaves, treedef = jax.tree.flatten(node, is_leaf=_is_ledger)
         if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # an array
             return _apply_leaf(rule, node, self.m, path, self.exact)
-        # another registered pytree container (e.g. a flax State): its leaves follow its rule
-        paths = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_ledger)[0]
-        out = [self.walk(v, rule, path + jax.tree_util.keystr(p)) for p, v in paths]
+        # another registered pytree container (e.g. a flax State): one level down, same rule
+        children, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        out = [self.walk(v, rule, path + jax.tree_util.keystr(p)) for p, v in children]
         return jax.tree.unflatten(treedef, out)
 
     def sharded_outer(self, s: OuterSyncState, path: str) -> OuterSyncState:

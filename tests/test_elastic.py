@@ -278,3 +278,22 @@ def test_sharded_slowmo_reblocks_the_anchor():
     # and the flat anchor is the (synchronised) parameters
     flat = np.concatenate([np.asarray(x)[0].reshape(-1) for x in jax.tree.leaves(params)])
     np.testing.assert_array_equal(old, flat)
+
+
+def test_per_replica_prng_keys_are_handled_deterministically():
+    """Typed keys that differ between replicas: kept by slot when shrinking, folded when growing
+    (no two new replicas share a key); identical keys stay identical."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    shared = jnp.stack([jax.random.key(1)] * 4)
+    tree = {"keys": keys, "shared": shared, "w": np.ones((4, 2), np.float32)}
+    small, _ = od.resize_replicas(tree, (), 2)
+    assert np.array_equal(jax.random.key_data(small["keys"]), jax.random.key_data(keys[:2]))
+    big, _ = od.resize_replicas(tree, (), 8)
+    data = np.asarray(jax.random.key_data(big["keys"]))
+    assert len({tuple(r) for r in data}) == 8
+    np.testing.assert_array_equal(data[:4], jax.random.key_data(keys))
+    np.testing.assert_array_equal(data[5], jax.random.key_data(jax.random.fold_in(keys[1], 1)))
+    again, _ = od.resize_replicas(tree, (), 8)
+    np.testing.assert_array_equal(jax.random.key_data(again["keys"]), data)
+    shared8 = np.asarray(jax.random.key_data(big["shared"]))
+    assert all(np.array_equal(shared8[0], r) for r in shared8)
