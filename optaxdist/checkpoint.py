@@ -54,8 +54,12 @@ def describe(tree: PyTree) -> dict:
     return {
         "format": FORMAT,
         "treedef": str(jax.tree.structure(tree)),
-        "leaves": [[jax.tree_util.keystr(p), list(np.shape(x)), str(np.dtype(x.dtype))] for p, x in leaves],
+        "leaves": [[jax.tree_util.keystr(p), list(np.shape(x)), _dtype_name(x)] for p, x in leaves],
     }
+
+
+def _dtype_name(x) -> str:
+    return str(x.dtype) if hasattr(x, "dtype") else str(np.result_type(x))  # typed keys: key<fry>
 
 
 def _first_difference(a: str, b: str, width: int = 70) -> str:

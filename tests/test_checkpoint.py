@@ -171,6 +171,16 @@ def test_plain_orbax_checkpoint_is_refused(tmp_path):
         _restore(tmp_path, {"a": jnp.zeros(2)})
 
 
+def test_typed_prng_keys_round_trip(tmp_path):
+    tree = {"keys": jax.random.split(jax.random.key(0), N), "w": jnp.ones((N, 2))}
+    with ocp.CheckpointManager(tmp_path) as manager:
+        od.save_checkpoint(manager, 1, tree)
+        manager.wait_until_finished()
+    back = _restore(tmp_path, {"keys": jax.random.split(jax.random.key(1), N), "w": jnp.zeros((N, 2))})
+    assert jax.dtypes.issubdtype(back["keys"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(back["keys"]), jax.random.key_data(tree["keys"]))
+
+
 def test_restore_stacked_reads_the_stacked_layout(top_k_checkpoint):
     tx = make("compressed_top_k", COMM, N)
     row = jax.eval_shape(lambda p: (p, tx.init(p)), params_row())
@@ -237,6 +247,15 @@ def test_resume_under_mpirun(names, tmp_path):
     params, state = od.restore_stacked(tmp_path / names[0], K, row)
     assert params["w"].shape == (2, 3, 2)
     assert od.comm_stats(state).collectives == K
+    # ... and resizes like any other (an MPI job restarted with 4 ranks)
+    params4, state4 = od.resize_replicas(params, state, 4)
+    like4 = jax.eval_shape(jax.vmap(make(names[0], COMM, 4).init), od.replicate(params_row(), 4))
+    assert jax.tree.structure(state4) == jax.tree.structure(like4)
+    assert params4["w"].shape == (4, 3, 2)
+    # a rank directory missing: refused
+    (tmp_path / "broken" / "rank00001-of-00002").mkdir(parents=True)
+    with pytest.raises(od.CheckpointMismatchError, match="incomplete or mixed MPI layout"):
+        od.restore_stacked(tmp_path / "broken", K, row)
 
 
 @pytest.mark.parametrize(
