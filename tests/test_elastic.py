@@ -19,7 +19,7 @@ import pytest
 
 import optaxdist as od
 from optaxdist.elastic import RESIDUAL, SUM, exact_sum_rows, leaf_rules
-from tests.ckpt_common import NAMES, fast_or_slow, make, params_row
+from tests.ckpt_common import NAMES, fast_or_slow, make, params_row, step_fn
 from tests.problems import replica_data
 from tests.test_checkpoint import COMM, compiled, fresh, run_steps
 
@@ -297,3 +297,46 @@ def test_per_replica_prng_keys_are_handled_deterministically():
     np.testing.assert_array_equal(jax.random.key_data(again["keys"]), data)
     shared8 = np.asarray(jax.random.key_data(big["shared"]))
     assert all(np.array_equal(shared8[0], r) for r in shared8)
+
+
+@pytest.mark.parametrize(
+    "nodes", [(2, 1), pytest.param((2, 3), marks=pytest.mark.slow)], ids=["2to1nodes", "2to3nodes"]
+)
+def test_hierarchical_daso_changes_its_number_of_nodes(nodes):
+    """DASO on nodes of G=4 replicas: 2 nodes saved at the end of a cycling epoch, 1 or 3 nodes
+    restored; the next epoch ends with every replica identical."""
+    G, spe = 4, 4
+    old, new = nodes
+
+    def run(num_nodes, state, steps, seed):
+        h = od.axis_hierarchy(num_nodes, G)
+        tx = od.daso(
+            optax.sgd(0.05, momentum=0.9),
+            local_comm=h.local,
+            global_comm=h.cross,
+            steps_per_epoch=spe,
+            total_epochs=6,
+            warmup_epochs=1,
+            cooldown_epochs=0,
+            first_cycle=(2, 1, 1),
+        )
+        n = num_nodes * G
+        if state is None:
+            params = od.replicate(params_row(), n)
+            state = (params, od.simulate(tx.init, axis_name=("node", "local"), shape=(num_nodes, G))(params))
+        step = od.simulate(step_fn(tx), axis_name=("node", "local"), shape=(num_nodes, G))
+        xs, ys = replica_data(n, steps, seed=seed)
+        for t in range(steps):
+            state = step(*state, xs[t], ys[t])
+        like = jax.eval_shape(tx.init, params_row())
+        return jax.tree.map(np.asarray, state), like
+
+    (params, state), _ = run(old, None, 2 * spe, 7)  # warm-up epoch, then one cycling epoch
+    assert int(state.global_skip[0]) == 2 and not state.pending_valid.any()
+    new_params, new_state = od.resize_replicas(params, state, new * G, node_size=G)
+    assert new_state.pending_sum["w"].shape == (new * G, 3, 2) and not new_state.pending_sum["w"].any()
+    np.testing.assert_array_equal(new_state.global_skip, state.global_skip[:1].repeat(new * G))
+    (params2, state2), like = run(new, (new_params, new_state), spe, 8)
+    od.assert_replicas_identical(params2)  # DASO: every replica holds the same model at an epoch end
+    assert jax.tree.structure(state2) == jax.tree.structure(like)
+    assert int(state2.epoch[0]) == 3
