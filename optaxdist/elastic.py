@@ -21,7 +21,7 @@ rule            what happens to rows ``x[0..N)`` when going to ``M`` replicas
                 preserved *exactly* (as a real number). ``M ≥ N``: old rows kept, new rows
                 zero. ``M < N``: the N rows are turned into an error-free expansion (TwoSum
                 passes, Ogita–Rump–Oishi) whose non-zero terms are packed into the M rows, the
-                rounded total on replica 0. If some element needs more than M terms (rare;
+                float sum on replica 0. If some element needs more than M terms (rare;
                 always possible for ``M = 1``), ``ValueError`` unless ``exact_residuals=False``
                 (then the leftover terms are added to row 0, rounded).
 ``sum``         per-replica partial sums whose total is what matters (DASO's epoch loss sum and
@@ -201,7 +201,7 @@ def exact_sum_rows(x: np.ndarray, m: int, *, exact: bool = True, where: str = ""
     """``M`` rows whose sum (as real numbers) equals the sum of the ``N`` rows of ``x`` exactly.
 
     Growing keeps the rows and appends zeros. Shrinking packs an error-free expansion of the sum
-    (repeated TwoSum sweeps, each preserving the exact sum) into ``M`` rows, the rounded total
+    (repeated TwoSum sweeps, each preserving the exact sum) into ``M`` rows, the float sum
     first. Integer arrays: the total on row 0. See the module docstring for when it raises.
     """
     x = np.asarray(x)
@@ -213,18 +213,19 @@ def exact_sum_rows(x: np.ndarray, m: int, *, exact: bool = True, where: str = ""
         if np.any(total != total.astype(x.dtype)):
             raise ValueError(f"{where}: the sum over replicas overflows {x.dtype}")
         return np.concatenate([total[None].astype(x.dtype), np.zeros((m - 1,) + x.shape[1:], x.dtype)])
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"{where}: non-finite residuals can't be redistributed")
     work = np.float64 if x.dtype == np.float64 else np.float32  # exact upcast of 16-bit floats
     terms = [r.astype(work) for r in x]
-    with np.errstate(over="raise", invalid="ignore"):
+    with np.errstate(over="raise"):
         for _ in range(2 * n + 2):
             before = [t.copy() for t in terms]
             for i in range(n - 1):  # one sweep: the running sum moves up, the errors stay behind
                 terms[i + 1], terms[i] = _two_sum(terms[i + 1], terms[i])
-            if max(np.count_nonzero(np.stack(terms), axis=0).max(initial=0), 0) <= m or all(
-                np.array_equal(a, b) for a, b in zip(before, terms)
-            ):
+            nonzero = np.count_nonzero(np.stack(terms), axis=0)
+            if nonzero.max(initial=0) <= m or all(np.array_equal(a, b) for a, b in zip(before, terms)):
                 break
-    stacked = np.stack(terms[::-1])  # the rounded total first, then the errors, larger first
+    stacked = np.stack(terms[::-1])  # the float sum first, then the error terms
     order = np.argsort(stacked == 0, axis=0, kind="stable")  # non-zero terms first
     packed = np.take_along_axis(stacked, order, axis=0)
     rest = packed[m:]

@@ -182,6 +182,8 @@ def test_exact_sum_rows_refuses_what_it_cannot_keep():
     y = exact_sum_rows(x, 1, exact=False)
     assert y.shape == (1, 1) and y[0, 0] == np.float32(1.0)
     assert rows_exact_sum(exact_sum_rows(x, 3)) == rows_exact_sum(x)
+    with pytest.raises(ValueError, match="non-finite"):
+        exact_sum_rows(np.asarray([[1.0], [np.inf]], np.float32), 1)
 
 
 # ---------------------------------------------------------------- sizes the algorithm can't take
