@@ -10,6 +10,13 @@ from optaxdist.accounting import (
     kind_name,
     payload_bytes,
 )
+from optaxdist.checkpoint import (
+    CheckpointMismatchError,
+    rank_directory,
+    restore_checkpoint,
+    restore_stacked,
+    save_checkpoint,
+)
 from optaxdist.comm import (
     AxisComm,
     Communicator,
@@ -20,6 +27,7 @@ from optaxdist.comm import (
     mesh_hierarchy,
     mpi_hierarchy,
 )
+from optaxdist.elastic import resize_replicas
 from optaxdist.parallel import (
     REPLICA_AXIS,
     assert_replicas_identical,
@@ -96,6 +104,7 @@ __all__ = [
     "AverageParamsState",
     "AveragedIterateState",
     "AxisComm",
+    "CheckpointMismatchError",
     "CommLedger",
     "CommStats",
     "CompressedAllReduceState",
@@ -153,8 +162,13 @@ __all__ = [
     "powersgd",
     "pytorch_loss_scale",
     "replicas_identical",
+    "rank_directory",
     "replicate",
+    "resize_replicas",
+    "restore_checkpoint",
+    "restore_stacked",
     "scale_loss",
+    "save_checkpoint",
     "sgp",
     "simulate",
     "singa_partitions",
