@@ -20,6 +20,7 @@ from optaxdist.comm import (
     mesh_hierarchy,
     mpi_hierarchy,
 )
+from optaxdist.flax import nnx_replica, nnx_replicate, nnx_step
 from optaxdist.parallel import (
     REPLICA_AXIS,
     assert_replicas_identical,
@@ -145,6 +146,9 @@ __all__ = [
     "mesh_hierarchy",
     "mlbench_loss_scale",
     "mpi_hierarchy",
+    "nnx_replica",
+    "nnx_replicate",
+    "nnx_step",
     "on_mesh",
     "outer_sync",
     "partial_average",
