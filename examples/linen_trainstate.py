@@ -6,7 +6,7 @@ A ``TrainState`` is a pytree whose ``apply_fn`` and ``tx`` are static fields, so
 ``optaxdist.simulate`` or ``optaxdist.on_mesh``. The optimizer is an optaxdist transform inside
 ``tx``. BatchNorm's running statistics are per-replica values that no optimizer sees: this example
 averages them over the replicas whenever the parameters are synchronized (every step with
-all-reduce, every ``PERIOD`` steps with DiLoCo), so every replica evaluates alike.
+all-reduce, every ``--period`` steps with DiLoCo), so every replica evaluates alike.
 
     python examples/linen_trainstate.py                     # all-reduce + Adam, simulated
     python examples/linen_trainstate.py --algorithm diloco  # DiLoCo, batch stats averaged on syncs
@@ -31,15 +31,17 @@ from flax.training import train_state  # noqa: E402
 import optaxdist as od  # noqa: E402
 from optaxdist.bench.data import load_dataset, make_shards  # noqa: E402
 
-PERIOD = 10  # DiLoCo's inner steps per sync
-
 
 class CNN(nn.Module):
-    """Two strided 3×3 convolutions (the first followed by BatchNorm) and a linear classifier."""
+    """Two strided 3×3 convolutions (the first followed by BatchNorm) and a linear classifier.
+
+    The first convolution has no bias: BatchNorm subtracts the mean, so that bias would get a
+    gradient that is zero up to rounding, which Adam would scale up into steps of size ``lr``.
+    """
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-        x = nn.Conv(16, (3, 3), strides=2)(x)
+        x = nn.Conv(16, (3, 3), strides=2, use_bias=False)(x)  # BatchNorm has the bias
         x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
         x = nn.relu(nn.Conv(32, (3, 3), strides=2)(x))
         return nn.Dense(10)(x.reshape(x.shape[0], -1))
@@ -49,11 +51,11 @@ class TrainState(train_state.TrainState):
     batch_stats: Any  # BatchNorm's running mean and variance
 
 
-def make_tx(algorithm: str, comm: od.Communicator, lr: float) -> optax.GradientTransformation:
+def make_tx(algorithm: str, comm: od.Communicator, lr: float, period: int) -> optax.GradientTransformation:
     if algorithm == "allreduce":
         return optax.chain(od.allreduce(comm=comm), optax.adam(lr))
     if algorithm == "diloco":
-        return od.diloco(optax.adam(lr), comm=comm, period=PERIOD)
+        return od.diloco(optax.adam(lr), comm=comm, period=period)
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
@@ -65,6 +67,7 @@ def train(
     harness: str = "simulate",
     batch_size: int = 32,
     lr: float = 2e-3,
+    period: int = 10,
     seed: int = 0,
     log_every: int = 0,
 ) -> dict:
@@ -76,14 +79,19 @@ def train(
 
     comm = od.AxisComm("replica")
     model = CNN()
-    variables = model.init(jax.random.key(seed), jnp.zeros((1, 28, 28, 1)), train=False)
-    state = TrainState.create(
-        apply_fn=model.apply,
-        params=variables["params"],
-        batch_stats=variables["batch_stats"],
-        tx=make_tx(algorithm, comm, lr),
-    )
-    state = od.replicate(state, replicas)  # every leaf stacked: leading axis of `replicas`
+
+    @jax.jit  # one compilation instead of one per eager initializer op
+    def create(key):
+        variables = model.init(key, jnp.zeros((1, 28, 28, 1)), train=False)
+        state = TrainState.create(
+            apply_fn=model.apply,
+            params=variables["params"],
+            batch_stats=variables["batch_stats"],
+            tx=make_tx(algorithm, comm, lr, period),
+        )
+        return od.replicate(state, replicas)  # every leaf stacked: leading axis of `replicas`
+
+    state = create(jax.random.key(seed))
 
     def average_batch_stats(batch_stats, step):
         """Average the running statistics on the steps where the parameters were synchronized."""
@@ -92,7 +100,7 @@ def train(
         # The predicate comes from the step counter, the same on every replica (comm.uniform keeps
         # the cond a branch under simulate); both branches return per-replica (varying) values.
         return jax.lax.cond(
-            comm.uniform(step) % PERIOD == 0,
+            comm.uniform(step) % period == 0,
             lambda s: comm.varying(comm.pmean(s)),
             comm.varying,
             batch_stats,
@@ -137,10 +145,12 @@ def train(
             print(f"step {t:4d}  loss {losses[-1]:.4f}")
     seconds = time.perf_counter() - start
 
-    first = jax.tree.map(lambda x: x[0], state)  # replica 0's TrainState
-    logits = first.apply_fn(
-        {"params": first.params, "batch_stats": first.batch_stats}, jnp.asarray(x_test), train=False
-    )
+    @jax.jit
+    def predict(state, x):
+        first = jax.tree.map(lambda leaf: leaf[0], state)  # replica 0's TrainState
+        return first.apply_fn({"params": first.params, "batch_stats": first.batch_stats}, x, train=False)
+
+    logits = predict(state, jnp.asarray(x_test))
     accuracy = float(jnp.mean(jnp.argmax(logits, -1) == jnp.asarray(data.y_test)))
     stats = od.comm_stats(state.opt_state)  # checks that every replica counted the same
     return dict(state=state, losses=losses, accuracy=accuracy, stats=stats, seconds=seconds)
@@ -154,6 +164,7 @@ def main(argv=None):
     p.add_argument("--harness", choices=["simulate", "mesh"], default="simulate")
     p.add_argument("--batch-size", type=int, default=32, help="per replica")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--period", type=int, default=10, help="DiLoCo's local steps per sync")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     out = train(
@@ -163,6 +174,7 @@ def main(argv=None):
         harness=args.harness,
         batch_size=args.batch_size,
         lr=args.lr,
+        period=args.period,
         seed=args.seed,
         log_every=max(1, args.steps // 6),
     )

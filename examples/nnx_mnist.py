@@ -44,11 +44,11 @@ class CNN(nnx.Module):
         return self.head(x.reshape(x.shape[0], -1))
 
 
-def make_tx(algorithm: str, comm: od.Communicator, lr: float) -> optax.GradientTransformation:
+def make_tx(algorithm: str, comm: od.Communicator, lr: float, period: int) -> optax.GradientTransformation:
     if algorithm == "allreduce":  # synchronous data parallelism: average the gradients every step
         return optax.chain(od.allreduce(comm=comm), optax.adam(lr))
-    if algorithm == "diloco":  # 10 local Adam steps, then an outer Nesterov step on the average
-        return od.diloco(optax.adam(lr), comm=comm, period=10)
+    if algorithm == "diloco":  # `period` local Adam steps, then an outer Nesterov step on the average
+        return od.diloco(optax.adam(lr), comm=comm, period=period)
     raise ValueError(f"unknown algorithm {algorithm!r}")
 
 
@@ -60,6 +60,7 @@ def train(
     harness: str = "simulate",
     batch_size: int = 32,
     lr: float = 2e-3,
+    period: int = 10,
     seed: int = 0,
     log_every: int = 0,
 ) -> dict:
@@ -70,9 +71,13 @@ def train(
     shards = make_shards(data.y_train, replicas, seed=seed)  # (replicas, examples per replica)
 
     comm = od.AxisComm("replica")
-    model = CNN(rngs=nnx.Rngs(seed))
-    optimizer = nnx.Optimizer(model, make_tx(algorithm, comm, lr), wrt=nnx.Param)
-    graphdef, state = od.nnx_replicate((model, optimizer), replicas)
+
+    @nnx.jit  # one compilation instead of one per eager initializer op
+    def create():
+        model = CNN(rngs=nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, make_tx(algorithm, comm, lr, period), wrt=nnx.Param)
+
+    graphdef, state = od.nnx_replicate(create(), replicas)  # stacked: one row per replica
 
     def train_step(objects, x, y):  # ONE replica's step, in plain NNX
         model, optimizer = objects
@@ -112,8 +117,12 @@ def train(
             print(f"step {t:4d}  loss {losses[-1]:.4f}")
     seconds = time.perf_counter() - start
 
-    model, optimizer = od.nnx_replica(graphdef, state, 0)  # replica 0, rebuilt as NNX objects
-    logits = model(jnp.asarray(x_test))
+    @jax.jit
+    def predict(state, x):
+        model, _ = od.nnx_replica(graphdef, state, 0)  # replica 0, rebuilt as NNX objects
+        return model(x)
+
+    logits = predict(state, jnp.asarray(x_test))
     accuracy = float(jnp.mean(jnp.argmax(logits, -1) == jnp.asarray(data.y_test)))
     stats = od.comm_stats(od.nnx_replica(graphdef, state, None)[1].opt_state)  # checks all replicas
     return dict(
@@ -129,6 +138,7 @@ def main(argv=None):
     p.add_argument("--harness", choices=["simulate", "mesh"], default="simulate")
     p.add_argument("--batch-size", type=int, default=32, help="per replica")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--period", type=int, default=10, help="DiLoCo's local steps per sync")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     out = train(
@@ -138,6 +148,7 @@ def main(argv=None):
         harness=args.harness,
         batch_size=args.batch_size,
         lr=args.lr,
+        period=args.period,
         seed=args.seed,
         log_every=max(1, args.steps // 6),
     )

@@ -76,17 +76,21 @@ def nnx_replicate(objects: Any, n: int, *, distinct_rngs: bool = True) -> tuple[
     from flax import nnx
 
     graphdef, state = nnx.split(objects)
-    stacked = replicate(state, n)
-    if distinct_rngs:
-        fold = jax.vmap(jax.random.fold_in)
+
+    def stack(state):
+        stacked = replicate(state, n)
+        if not distinct_rngs:
+            return stacked
         index = jnp.arange(n, dtype=jnp.uint32)
 
         def per_replica(v):
             if isinstance(v, nnx.RngKey):
-                return jax.tree.map(lambda k: fold(k, index), v)
+                return jax.tree.map(lambda k: jax.vmap(jax.random.fold_in)(k, index), v)
             return v
 
-        stacked = jax.tree.map(per_replica, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return jax.tree.map(per_replica, stacked, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    stacked = jax.jit(stack)(state)  # one compilation, not one per leaf shape
     return graphdef, stacked
 
 
