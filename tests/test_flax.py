@@ -181,6 +181,18 @@ def test_nnx_replicate_gives_each_replica_its_own_rng_streams():
     assert len(set(np.asarray(same[:, 0]).tolist())) == 1
 
 
+def test_module_docstring_example_runs():
+    import textwrap
+
+    import optaxdist.flax
+
+    code = textwrap.dedent(optaxdist.flax.__doc__.split("Example::")[1])
+    scope: dict = {}
+    exec(compile(code, "optaxdist/flax.py docstring", "exec"), scope)
+    stats = od.comm_stats(scope["optimizer"].opt_state)
+    assert stats.by_kind == {"all_reduce[float32]": (1, 16)}  # 4 parameters, once
+
+
 def test_nnx_replica_rebuilds_one_row():
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     graphdef, state = od.nnx_replicate(model, 3)
