@@ -28,6 +28,7 @@ from optaxdist.comm import (
     mpi_hierarchy,
 )
 from optaxdist.elastic import resize_replicas
+from optaxdist.flax import nnx_replica, nnx_replicate, nnx_step
 from optaxdist.parallel import (
     REPLICA_AXIS,
     assert_replicas_identical,
@@ -154,6 +155,9 @@ __all__ = [
     "mesh_hierarchy",
     "mlbench_loss_scale",
     "mpi_hierarchy",
+    "nnx_replica",
+    "nnx_replicate",
+    "nnx_step",
     "on_mesh",
     "outer_sync",
     "partial_average",
