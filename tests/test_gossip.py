@@ -160,11 +160,12 @@ def test_dpsgd_metropolis_star_keeps_the_average():
         )
 
         def run(x, tx=tx):
-            s = tx.init(x)
-            for _ in range(80):
+            def one(_, carry):  # a loop, not 80 unrolled steps: one step to compile
+                x, s = carry
                 u, s = tx.update(jnp.zeros_like(x), s, x)
-                x = optax.apply_updates(x, u)
-            return x, s
+                return optax.apply_updates(x, u), s
+
+            return jax.lax.fori_loop(0, 80, one, (x, tx.init(x)))
 
         x, state = harness.run(run, x0)
         assert np.allclose(x, x0.mean(0), atol=1e-4) == unbiased
