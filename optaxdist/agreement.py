@@ -57,7 +57,7 @@ DESCRIPTION_KIND = "all_gather[config description]"
 DIGEST_BYTES = 32
 PROBE_STEPS = (0, 1, 10, 100, 1000, 10000)
 _MAX_INLINE = 32  # longer sequences and arrays are described by length and digest
-_MAX_DEPTH = 8
+_MAX_DEPTH = 32
 _MAX_REPORTED = 8
 
 
@@ -149,7 +149,14 @@ def _array(x: Any) -> Any:
 
 
 def _probe(fn: Callable[..., Any]) -> Any:
-    """A schedule's values at ``PROBE_STEPS``, or None if ``fn`` is not a schedule of one step."""
+    """A schedule's values at ``PROBE_STEPS``, or None if ``fn`` is not a schedule of one step.
+
+    Only optax's functions, jitted functions and functions whose name says ``schedule`` are called
+    (a user's one-argument callback with a side effect is described by its code instead)."""
+    name = getattr(fn, "__qualname__", "") or ""
+    module = getattr(fn, "__module__", "") or ""
+    if not ("schedule" in name.lower() or module.startswith("optax") or hasattr(fn, "lower")):
+        return None
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -170,8 +177,9 @@ def _function(fn: Callable[..., Any], depth: int, seen: set[int]) -> Any:
     if fn in _CONFIGS:
         config = _CONFIGS[fn]
         nested = getattr(_local, "nested", None)
-        if nested is not None:
-            nested.add(id(config))
+        if nested is None:  # described on its own, under its name
+            return {"transform": config.name}
+        nested.add(id(config))
         return {"transform": config.name, **_describe(config.arguments, depth + 1, seen)}
     values = _probe(fn)
     if values is not None:
@@ -179,6 +187,9 @@ def _function(fn: Callable[..., Any], depth: int, seen: set[int]) -> Any:
     out: dict[str, Any] = {"function": getattr(fn, "__qualname__", type(fn).__name__)}
     code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
     if code is not None:
+        numbers = [repr(c) for c in code.co_consts if isinstance(c, (int, float)) and not isinstance(c, bool)]
+        if numbers:  # a lambda's hyperparameters live in its code: ``lambda t: 0.1 * 0.9**t``
+            out["constants"] = numbers
         for var, cell in zip(code.co_freevars, cells):
             try:
                 out[var] = _describe(cell.cell_contents, depth + 1, seen)
@@ -202,6 +213,9 @@ def _describe(value: Any, depth: int = 0, seen: set[int] | None = None) -> Any:
         return f"<{type(value).__name__}>"
     seen = seen | {id(value)}
     if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        if np.ndim(value) == 0 and np.asarray(value).dtype.kind in "fiub":
+            scalar = np.asarray(value).item()  # np.float32(0.5) is described like 0.5
+            return repr(scalar) if isinstance(scalar, float) else scalar
         return _array(value)
     if _is_communicator(value):
         return value.describe()
@@ -239,11 +253,60 @@ def _is_communicator(value: Any) -> bool:
     return isinstance(value, Communicator)
 
 
-def describe_step(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+def _referenced_optimizers(
+    fn: Callable[..., Any], depth: int = 0, visited: set[int] | None = None
+) -> dict[str, Any]:
+    """The optax transformations that ``fn`` reaches through its closure and the module globals
+    its code names, following plain Python functions a few levels down (``train_step`` calling
+    ``tx.update`` through a helper). These hold the optimizers no optaxdist factory describes,
+    e.g. the ``optax.adam`` chained after ``allreduce``."""
+    visited = set() if visited is None else visited
+    code = getattr(fn, "__code__", None)
+    if code is None or id(fn) in visited or depth > 3:
+        return {}
+    visited.add(id(fn))
+    names: list[str] = []
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        names.extend(c.co_names)
+        codes.extend(k for k in c.co_consts if inspect.iscode(k))
+    found = {}
+    namespace = getattr(fn, "__globals__", {})
+    cells = dict(zip(code.co_freevars, (getattr(fn, "__closure__", None) or ())))
+    candidates = [(n, namespace[n]) for n in dict.fromkeys(names) if n in namespace]
+    for var, cell in cells.items():
+        try:
+            candidates.append((var, cell.cell_contents))
+        except ValueError:
+            continue
+    defaults = inspect.signature(fn).parameters.values() if callable(fn) else ()
+    candidates.extend((p.name, p.default) for p in defaults if p.default is not p.empty)
+    for name, value in candidates:
+        if isinstance(value, optax.GradientTransformation):
+            found[name] = value
+        elif inspect.isfunction(value) and getattr(value, "__module__", None) == getattr(
+            fn, "__module__", None
+        ):
+            found.update(_referenced_optimizers(value, depth + 1, visited))
+    return found
+
+
+def describe_step(
+    fn: Callable[..., Any], *args: Any, user_step: Callable[..., Any] | None = None
+) -> dict[str, Any]:
     """The configuration of a step as plain data: the transforms its trace calls (in order), what
-    each was built with and the shapes it receives, and the pytree structure of each argument."""
+    each was built with and the shapes it receives, the optax transformations ``user_step`` (by
+    default ``fn``) refers to, and the pytree structure of each argument.
+
+    If tracing raises, the error becomes part of the description (so the processes still exchange
+    it, instead of the failing one leaving the others waiting) and is raised after the exchange."""
     with collecting() as seen:
-        jax.eval_shape(lambda *a: fn(*a), *args)
+        try:
+            jax.eval_shape(lambda *a: fn(*a), *args)
+            error = None
+        except Exception as e:
+            error = e
     names = [c.name for c, _ in seen]
     described = {}
     _local.nested = nested = set()
@@ -259,7 +322,12 @@ def describe_step(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
         repeat = names[: i + 1].count(config.name)
         key = config.name if names.count(config.name) == 1 else f"{config.name}#{repeat}"
         description[key] = described[id(config)]
+    optimizers = _referenced_optimizers(user_step or fn)
+    description["optimizers the step refers to"] = {k: _describe(v) for k, v in optimizers.items()}
     description["argument structures"] = [str(jax.tree.structure(a)) for a in args]
+    if error is not None:
+        description["error while tracing"] = f"{type(error).__name__}: {error}"
+        description = {**description, _TRACE_ERROR: error}
     return description
 
 
@@ -304,7 +372,8 @@ def differences(descriptions: Sequence[dict[str, Any]], *, who: str = "processes
     _diff(list(descriptions), "", found)
     explained = [item for item in found if not item[0].startswith("argument structures")]
     found = explained or found  # a transform that differs explains the structure of its state
-    found.sort(key=lambda item: item[0] != "transforms used")
+    first = ("transforms used", "error while tracing")
+    found.sort(key=lambda item: first.index(item[0]) if item[0] in first else len(first))
     lines = []
     for path, values in found:
         texts = ["<absent>" if v is _ABSENT else json.dumps(v) for v in values]
@@ -319,17 +388,24 @@ def differences(descriptions: Sequence[dict[str, Any]], *, who: str = "processes
     return lines
 
 
+_TRACE_ERROR = "__trace_error__"
+
+
 def agree(
     description: dict[str, Any], allgather: Callable[[bytes], list[bytes]], *, who: str = "processes"
 ) -> CommLedger:
     """Exchange ``description``'s digest with ``allgather`` (bytes in, one bytes per process out,
     called identically on every process); on a difference exchange the descriptions and raise
     ``ValueError`` naming every field that differs. Returns the ledger of what was sent."""
+    description = dict(description)
+    error = description.pop(_TRACE_ERROR, None)
     text = json.dumps(description, sort_keys=True).encode()
     digests = allgather(hashlib.sha256(text).digest())
     ledger = CommLedger.create({DIGEST_KIND: DIGEST_BYTES, DESCRIPTION_KIND: len(text)})
     ledger = ledger.record(DIGEST_KIND)
     if len(set(digests)) == 1:
+        if error is not None:  # every process failed to trace the step alike: its own error
+            raise error
         return ledger
     everyone = [json.loads(t) for t in allgather(text)]
     lines = differences(everyone, who=who)

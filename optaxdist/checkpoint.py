@@ -5,8 +5,11 @@ module adds three things:
 
 * a description of the tree (``describe``: tree structure with the state classes and the ledgers'
   static kinds and payloads, every leaf's path, shape and dtype) saved next to it as a JSON item,
-  and compared on restore: a checkpoint from another configuration raises
-  ``CheckpointMismatchError`` naming what differs instead of being silently reinterpreted;
+  and compared on restore: a checkpoint whose state has another structure, shape, dtype or ledger
+  (another transform, fraction, rank, wire dtype, parameter tree) raises
+  ``CheckpointMismatchError`` naming what differs instead of being silently reinterpreted. A
+  hyperparameter that leaves the state unchanged (a period, a learning rate) is not in the state
+  and is not compared; the configuration agreement of the harness compares those across processes;
 * the restore target built from a freshly initialised state (``like``): shapes, dtypes and, for
   global arrays on a mesh (also across hosts under ``jax.distributed``), their shardings;
 * the MPI layout. Each MPI process is its own JAX world, so ranks write to their own

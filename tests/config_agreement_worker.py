@@ -34,6 +34,19 @@ def cases(comm, other: bool, n: int):
 
     w = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
     sgd = optax.sgd(0.1)
+    yield "same configuration (control)", optax.chain(od.allreduce(comm=comm), optax.adam(1e-3)), w, None
+    yield (
+        "optax optimizer after allreduce",
+        optax.chain(od.allreduce(comm=comm), optax.sgd(pick(0.1, 0.2))),
+        w,
+        "optimizers the step refers to.tx",
+    )
+    yield (
+        "a rank fails while tracing",
+        od.decentralized_sgd(sgd, comm=comm, topology=topo.ring(pick(n, n + 1))),
+        w,
+        "error while tracing differs",
+    )
     yield "local_sgd period", od.local_sgd(sgd, comm=comm, period=pick(2, 3)), w, "local_sgd.period differs"
     yield "diloco period", od.diloco(sgd, comm=comm, period=pick(4, 5)), w, "diloco.period differs"
     yield (
@@ -124,7 +137,7 @@ def cases(comm, other: bool, n: int):
         optax.chain(od.allreduce(comm=comm), sgd),
         optax.chain(od.allreduce(comm=comm), optax.clip(1.0), sgd),
     )
-    yield "transforms in the chain", chain, w, "argument structures[1] differs"
+    yield "transforms in the chain", chain, w, "optimizers the step refers to.tx.update_fns differs"
     key = jax.random.key(pick(0, 1))
     init = {"w": jax.random.normal(key, (4, 3)), "b": jnp.zeros((3,))}
     yield (

@@ -8,6 +8,7 @@ return *stacked* pytrees: every leaf has a leading axis of length N, row ``i`` b
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,17 +92,21 @@ class AgreedStep:
         self,
         jitted: Callable[..., Any],
         traced: Callable[..., Any],
+        step: Callable[..., Any],
         allgather: Callable[[bytes], list[bytes]] | None,
         who: str,
     ):
-        self._jitted, self._traced, self._allgather, self._who = jitted, traced, allgather, who
+        self._jitted, self._traced, self._step = jitted, traced, step
+        self._allgather, self._who = allgather, who
         self.agreement = CommLedger.create({DIGEST_KIND: DIGEST_BYTES})
 
-    def __call__(self, *args: Any) -> Any:
-        if self._allgather is not None:
-            allgather, self._allgather = self._allgather, None
-            self.agreement = agree(describe_step(self._traced, *args), allgather, who=self._who)
-        return self._jitted(*args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._allgather is not None:  # until a call has agreed (every process raises alike)
+            traced = functools.partial(self._traced, **kwargs)
+            description = describe_step(traced, *args, user_step=self._step)
+            self.agreement = agree(description, self._allgather, who=self._who)
+            self._allgather = None
+        return self._jitted(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jitted, name)
@@ -149,7 +154,7 @@ def on_mesh(
         return mapped(*jax.tree.map(placed, args))
 
     many = check_config and jax.process_count() > 1
-    return AgreedStep(jax.jit(run), run, host_allgather if many else None, "processes")
+    return AgreedStep(jax.jit(run), run, step, host_allgather if many else None, "processes")
 
 
 def on_mpi(step: Callable[..., Any], *, comm: Any = None, check_config: bool = True) -> AgreedStep:
@@ -166,7 +171,7 @@ def on_mpi(step: Callable[..., Any], *, comm: Any = None, check_config: bool = T
 
         comm = MpiComm() if comm is None else comm
         allgather = comm.host_allgather if comm.size > 1 else None
-    return AgreedStep(jax.jit(step), step, allgather, "ranks")
+    return AgreedStep(jax.jit(step), step, step, allgather, "ranks")
 
 
 def broadcast_from_root(tree: PyTree, *, comm: Communicator, root: int = 0) -> PyTree:
