@@ -322,6 +322,12 @@ class _Resizer:
         n, m = self.n, self.m
         anchor = np.asarray(s.anchor_params)
         block = anchor.shape[1]
+        if not 0 <= n * block - self.param_size < n:
+            raise ValueError(
+                f"{path}: a sharded outer state of {n} blocks of {block} elements does not cover the "
+                f"{self.param_size} elements of params; resizing a sharded DiLoCo/SlowMo that covers "
+                "only part of the parameters (inside optax.multi_transform or masked) is not supported"
+            )
         new_block = -(-self.param_size // m)
 
         def reblock(x):

@@ -341,3 +341,13 @@ def test_hierarchical_daso_changes_its_number_of_nodes(nodes):
     od.assert_replicas_identical(params2)  # DASO: every replica holds the same model at an epoch end
     assert jax.tree.structure(state2) == jax.tree.structure(like)
     assert int(state2.epoch[0]) == 3
+
+
+def test_sharded_outer_state_over_part_of_the_parameters_is_refused():
+    comm = od.AxisComm(od.REPLICA_AXIS)
+    outer = od.diloco(optax.sgd(0.1), comm=comm, period=2, num_shards=8)
+    tx = optax.multi_transform({"d": outer, "s": optax.sgd(0.1)}, {"w": "d", "b": "s"})
+    params = od.replicate({"w": jnp.ones((3, 4)), "b": jnp.zeros((5,))}, 8)
+    state = od.simulate(tx.init)(params)
+    with pytest.raises(ValueError, match="does not cover the 17 elements of params"):
+        od.resize_replicas(params, state, 4)
