@@ -50,6 +50,12 @@ def test_same_configuration_same_description():
     assert agreement.differences([describe(make(), W), describe(make(), W)]) == []
 
 
+def _deep_composition(peak_lr):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, peak_lr, 10, 100)
+    inner = optax.chain(optax.clip(1.0), optax.adamw(schedule))
+    return od.dynamic_loss_scale(od.diloco(inner, comm=COMM, period=4), comm=COMM)
+
+
 @pytest.mark.parametrize(
     "a, b, expected",
     [
@@ -69,26 +75,8 @@ def test_same_configuration_same_description():
             "schedule",  # schedules compare by their values at probe steps
         ),
         (
-            lambda: od.dynamic_loss_scale(
-                od.diloco(
-                    optax.chain(
-                        optax.clip(1.0), optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-3, 10, 100))
-                    ),
-                    comm=COMM,
-                    period=4,
-                ),
-                comm=COMM,
-            ),
-            lambda: od.dynamic_loss_scale(
-                od.diloco(
-                    optax.chain(
-                        optax.clip(1.0), optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 2e-3, 10, 100))
-                    ),
-                    comm=COMM,
-                    period=4,
-                ),
-                comm=COMM,
-            ),
+            lambda: _deep_composition(1e-3),
+            lambda: _deep_composition(2e-3),
             "schedule",  # deep inside a composition
         ),
         (
