@@ -67,7 +67,7 @@ from optaxdist.transforms.gossip import (
     decentralized_sgd,
     sgp,
 )
-from optaxdist.transforms.local_sgd import LocalSgdState, local_sgd, sync_model_state
+from optaxdist.transforms.local_sgd import local_sgd, sync_model_state
 from optaxdist.transforms.loss_scale import (
     DynamicLossScaleState,
     dynamic_loss_scale,
@@ -77,22 +77,17 @@ from optaxdist.transforms.loss_scale import (
     skip_nonfinite,
 )
 from optaxdist.transforms.outer import (
-    OuterSyncState,
+    OuterState,
     SlowMoOuterState,
     diloco,
     diloco_outer_optimizer,
     outer_sync,
     slowmo,
     slowmo_outer_optimizer,
-)
-from optaxdist.transforms.partial import (
-    PartialAverageState,
-    StreamingDilocoState,
-    balanced_fragments,
-    partial_average,
-    singa_partitions,
     streaming_diloco,
 )
+from optaxdist.transforms.partial import balanced_fragments, partial_average, singa_partitions
+from optaxdist.transforms.periodic import PeriodicState
 from optaxdist.transforms.powersgd import PowerSgdState, powersgd
 from optaxdist.transforms.sign_sgd import SignSgdState, sign_sgd
 from optaxdist.transforms.singa import SingaSgdState, singa_exponential_decay, singa_sgd
@@ -117,16 +112,14 @@ __all__ = [
     "DynamicLossScaleState",
     "Hierarchy",
     "KindTotals",
-    "LocalSgdState",
     "MpiComm",
-    "OuterSyncState",
-    "PartialAverageState",
+    "OuterState",
+    "PeriodicState",
     "PowerSgdState",
     "SgpState",
     "SignSgdState",
     "SoloComm",
     "SlowMoOuterState",
-    "StreamingDilocoState",
     "Topology",
     "SingaSgdState",
     "allreduce",

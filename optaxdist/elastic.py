@@ -35,9 +35,10 @@ Algorithm-specific rules:
 * ``SgpState``: the parameters become the exact push-sum average
   ``(Σ_i w_i z_i + Σ_i in_flight_x_i) / (Σ_i w_i + Σ_i in_flight_w_i)`` (what ``global_every``
   computes), push-sum weights are renormalised to 1, nothing stays in flight.
-* ``OuterSyncState`` with ``num_shards`` (memory-efficient SlowMo/DiLoCo): the anchor and outer
-  state blocks are concatenated and re-split into ``M`` blocks of ``ceil(P / M)`` elements; the
-  static payloads of its reduce-scatter / all-gather ledger kinds are recomputed for ``M``.
+* ``OuterState`` with ``num_shards`` (memory-efficient SlowMo/DiLoCo/Streaming DiLoCo): each
+  fragment's anchor and outer state blocks are concatenated and re-split into ``M`` blocks of
+  ``ceil(P_f / M)`` elements; the static payloads of the reduce-scatter / all-gather ledger kinds
+  are recomputed for ``M``.
 * ``DasoState``: ``M`` must be a multiple of ``node_size=`` (the new configuration's replicas per
   node, DASO's ``local_comm`` size); a resize with a pending (not yet merged) cross-node send is
   refused (resize at an epoch end, where DASO is blocking); the unused pending-sum buffer is
@@ -67,10 +68,9 @@ from optaxdist.transforms.averaged_iterate import AveragedIterateState
 from optaxdist.transforms.compressed import CompressedAllReduceState, ExactWarmupState
 from optaxdist.transforms.daso import DasoEvents, DasoState
 from optaxdist.transforms.gossip import DecentralizedSgdState, SgpState
-from optaxdist.transforms.local_sgd import LocalSgdState
 from optaxdist.transforms.loss_scale import DynamicLossScaleState
-from optaxdist.transforms.outer import OuterSyncState, SlowMoOuterState
-from optaxdist.transforms.partial import PartialAverageState, StreamingDilocoState
+from optaxdist.transforms.outer import OuterLayout, OuterState, SlowMoOuterState, sharded_payloads
+from optaxdist.transforms.periodic import PeriodicState
 from optaxdist.transforms.powersgd import PowerSgdState
 from optaxdist.transforms.sign_sgd import SignSgdState
 from optaxdist.transforms.singa import SingaSgdState
@@ -93,31 +93,20 @@ RULES: dict[type, dict[str, str | None]] = {
         "powersgd_error": RESIDUAL,
         "powersgd_ledger": LEDGER,
     },
-    LocalSgdState: {
-        "local_step": REPLICATED,
-        "sync_level": REPLICATED,
+    PeriodicState: {
+        "step": REPLICATED,
+        "last_sync": REPLICATED,
         "inner_state": AVERAGE,
-        "local_sgd_ledger": LEDGER,
+        "sync_state": INHERIT,
+        "ledger": LEDGER,
     },
-    OuterSyncState: {
-        "outer_step": REPLICATED,
-        "inner_state": AVERAGE,
-        "anchor_params": REPLICATED,
-        "outer_state": REPLICATED,
-        "reducer_state": AVERAGE,
-        "outer_ledger": LEDGER,
+    OuterState: {
+        "layout": INHERIT,
+        "anchors": REPLICATED,
+        "outer_states": REPLICATED,
+        "reducer_states": AVERAGE,
     },
     SlowMoOuterState: {"slow_momentum": INHERIT},
-    PartialAverageState: {"partial_step": REPLICATED, "inner_state": AVERAGE, "partial_ledger": LEDGER},
-    StreamingDilocoState: {
-        "stream_step": REPLICATED,
-        "inner_state": AVERAGE,
-        "anchor_params": REPLICATED,
-        "fragment_outer_states": REPLICATED,
-        "pending_fragment": REPLICATED,
-        "pending_due": REPLICATED,
-        "stream_ledger": LEDGER,
-    },
     DecentralizedSgdState: {"gossip_step": REPLICATED, "inner_state": AVERAGE, "gossip_ledger": LEDGER},
     SgpState: {
         "gossip_step": REPLICATED,
@@ -275,8 +264,8 @@ def _ledger(ledger: CommLedger, m: int, path: str, payloads=None) -> CommLedger:
 
 
 class _Resizer:
-    def __init__(self, n: int, m: int, exact: bool, param_size: int, node_size: int | None):
-        self.n, self.m, self.exact, self.param_size = n, m, exact, param_size
+    def __init__(self, n: int, m: int, exact: bool, leaf_shapes: list, node_size: int | None):
+        self.n, self.m, self.exact, self.leaf_shapes = n, m, exact, leaf_shapes
         self.node_size = node_size
 
     def walk(self, node, rule: str, path: str):
@@ -284,7 +273,7 @@ class _Resizer:
             return _ledger(node, self.m, path)
         table = RULES.get(type(node))
         if table is not None:
-            if isinstance(node, OuterSyncState) and _is_sharded(node):
+            if _is_sharded(node):
                 return self.sharded_outer(node, path)
             fields = {}
             for name in node._fields:
@@ -318,44 +307,54 @@ class _Resizer:
         out = [self.walk(v, rule, path + jax.tree_util.keystr(p)) for p, v in children]
         return jax.tree.unflatten(treedef, out)
 
-    def sharded_outer(self, s: OuterSyncState, path: str) -> OuterSyncState:
+    def sharded_outer(self, s: PeriodicState, path: str) -> PeriodicState:
         n, m = self.n, self.m
-        anchor = np.asarray(s.anchor_params)
-        block = anchor.shape[1]
-        if not 0 <= n * block - self.param_size < n:
-            raise ValueError(
-                f"{path}: a sharded outer state of {n} blocks of {block} elements does not cover the "
-                f"{self.param_size} elements of params; resizing a sharded DiLoCo/SlowMo that covers "
-                "only part of the parameters (inside optax.multi_transform or masked) is not supported"
-            )
-        new_block = -(-self.param_size // m)
+        outer: OuterState = s.sync_state
+        fragments = outer.layout.fragments
+        covered = sorted(i for part in fragments for i in part) == list(range(len(self.leaf_shapes)))
+        anchors, outer_states = [], []
+        for f, part in enumerate(fragments):
+            block = np.shape(outer.anchors[f])[1]
+            total = sum(math.prod(x.shape) for x in self.leaf_shapes)
+            size = sum(math.prod(self.leaf_shapes[i].shape) for i in part) if covered else total
+            if not covered or not 0 <= n * block - size < n:
+                what = f"fragment {f} ({size} elements)" if covered else f"the {total} elements of params"
+                raise ValueError(
+                    f"{path}: a sharded outer state of {n} blocks of {block} elements does not cover "
+                    f"{what}; resizing a sharded DiLoCo/SlowMo that covers only part "
+                    "of the parameters (inside optax.multi_transform or masked) is not supported"
+                )
+            new_block = -(-size // m)
 
-        def reblock(x):
-            x = np.asarray(x)
-            if x.shape[1:] != (block,):
-                return self.walk(x, REPLICATED, f"{path}.outer_state")
-            flat = x.reshape(-1)[: min(n * block, m * new_block)]
-            return np.pad(flat, (0, m * new_block - flat.shape[0])).reshape(m, new_block)
+            def reblock(x, block=block, new_block=new_block, where=f"{path}.sync_state.outer_states[{f}]"):
+                x = np.asarray(x)
+                if x.shape[1:] != (block,):
+                    return self.walk(x, REPLICATED, where)
+                flat = x.reshape(-1)[: min(n * block, m * new_block)]
+                return np.pad(flat, (0, m * new_block - flat.shape[0])).reshape(m, new_block)
 
-        payloads = []
-        for kind, p in zip(s.outer_ledger.kinds, s.outer_ledger.payloads):
-            if kind.startswith("reduce_scatter["):
-                p = p // (block * n) * new_block * m
-            elif kind.startswith("all_gather["):
-                p = p // block * new_block
-            payloads.append(p)
-        return OuterSyncState(
-            outer_step=self.walk(s.outer_step, REPLICATED, f"{path}.outer_step"),
+            anchors.append(reblock(outer.anchors[f]))
+            outer_states.append(jax.tree.map(reblock, outer.outer_states[f]))
+        resized = sharded_payloads(fragments, self.leaf_shapes, m)
+        payloads = tuple(resized.get(k, p) for k, p in zip(s.ledger.kinds, s.ledger.payloads))
+        return PeriodicState(
+            step=self.walk(s.step, REPLICATED, f"{path}.step"),
+            last_sync=self.walk(s.last_sync, REPLICATED, f"{path}.last_sync"),
             inner_state=self.walk(s.inner_state, AVERAGE, f"{path}.inner_state"),
-            anchor_params=reblock(anchor),
-            outer_state=jax.tree.map(reblock, s.outer_state),
-            reducer_state=s.reducer_state,
-            outer_ledger=_ledger(s.outer_ledger, m, f"{path}.outer_ledger", tuple(payloads)),
+            sync_state=OuterState(
+                OuterLayout(fragments, m), tuple(anchors), tuple(outer_states), outer.reducer_states
+            ),
+            ledger=_ledger(s.ledger, m, f"{path}.ledger", payloads),
         )
 
 
-def _is_sharded(s: OuterSyncState) -> bool:
-    return any(k.startswith("reduce_scatter[") for k in s.outer_ledger.kinds)
+def _is_sharded(s: Any) -> bool:
+    """A ``PeriodicState`` of the sharded outer mode."""
+    return (
+        isinstance(s, PeriodicState)
+        and isinstance(s.sync_state, OuterState)
+        and s.sync_state.layout.num_shards is not None
+    )
 
 
 def _find(tree, types) -> list:
@@ -457,8 +456,8 @@ def resize_replicas(
     if _find(opt_state, GOSSIP_STATES):
         _check_topology(topology, new_n)
 
-    param_size = sum(math.prod(np.shape(x)[1:]) for x in jax.tree.leaves(params))
-    resizer = _Resizer(n, new_n, exact_residuals, param_size, node_size)
+    leaf_shapes = [jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype) for x in jax.tree.leaves(params)]
+    resizer = _Resizer(n, new_n, exact_residuals, leaf_shapes, node_size)
     sgps = _find(opt_state, SgpState)
     if len(sgps) > 1:
         raise ValueError("more than one SgpState in opt_state: the parameters have one push-sum weight")
@@ -524,8 +523,8 @@ def leaf_rules(opt_state: PyTree) -> PyTree:
             return LEDGER
         table = RULES.get(type(node))
         if table is not None:
-            if isinstance(node, OuterSyncState) and _is_sharded(node):
-                table = dict(table, anchor_params="sharded", outer_state="sharded")
+            if isinstance(node, OuterState) and node.layout.num_shards is not None:
+                table = dict(table, anchors="sharded", outer_states="sharded")
             return type(node)(
                 **{k: walk(getattr(node, k), rule if table[k] is INHERIT else table[k]) for k in node._fields}
             )

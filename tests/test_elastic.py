@@ -273,8 +273,8 @@ def test_sharded_slowmo_reblocks_the_anchor():
     params, state = run_steps(name, "vmap", 8, fresh(name, "vmap", 8), 0, STEPS, xs, ys)
     size = sum(x[0].size for x in jax.tree.leaves(params))
     _, new_state = od.resize_replicas(params, state, 4)
-    old = np.asarray(state.anchor_params).reshape(-1)[:size]
-    new = np.asarray(new_state.anchor_params)
+    old = np.asarray(state.sync_state.anchors[0]).reshape(-1)[:size]
+    new = np.asarray(new_state.sync_state.anchors[0])
     assert new.shape == (4, -(-size // 4))
     np.testing.assert_array_equal(new.reshape(-1)[:size], old)
     # and the flat anchor is the (synchronised) parameters

@@ -128,7 +128,7 @@ def test_hierarchical_levels():
         for _ in range(4):
             u, s = tx.update(jnp.zeros_like(p), s, p)
             p = optax.apply_updates(p, u)
-            out.append((p, s.sync_level, od.sync_model_state(bn, s, comm=h.world, local_comm=h.local)))
+            out.append((p, s.last_sync, od.sync_model_state(bn, s, comm=h.world, local_comm=h.local)))
         return out, s
 
     sim = od.simulate(run, axis_name=("node", "local"), shape=(nodes, local))(x)
@@ -270,13 +270,13 @@ def test_diloco_defaults_and_compressed_pseudo_gradients(harness):
     )
     # params + (x0 − params) is x0 up to an ulp: the anchor in the state is the exact copy
     np.testing.assert_allclose(params["w"], np.broadcast_to(params["w"][0], params["w"].shape), atol=1e-6)
-    od.assert_replicas_identical(state.anchor_params)
+    od.assert_replicas_identical(state.sync_state.anchors)
     assert np.isfinite(params["w"]).all()
     stats = sync_stats(state)
     w, b = init_params()["w"].size, init_params()["b"].size
     k = w // 2 + b // 2
     assert stats == {"all_gather[top_k]": od.KindTotals(2, 2 * k * 8)}
-    assert jax.tree.leaves(state.reducer_state.error)  # per-replica residuals kept
+    assert jax.tree.leaves(state.sync_state.reducer_states[0].error)  # per-replica residuals kept
     del n
 
 

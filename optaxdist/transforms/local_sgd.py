@@ -3,36 +3,29 @@ SGD, PyTorch's PeriodicModelAverager and HierarchicalModelAverager)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
+from optaxdist.accounting import kind_name, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_nonfinite, local_step
-from optaxdist.transforms._start import check_identical_start, start_kinds
+from optaxdist.transforms.periodic import Sync, SyncInput, check_comm, check_period, periodic, periodic_states
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
 
 
-class LocalSgdState(NamedTuple):
-    """State of ``local_sgd``.
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ParamAverage:
+    """``local_sgd``'s synchronization state: static, no arrays. ``node_level`` tells
+    ``sync_model_state`` that some syncs average within the node only (``PeriodicState.last_sync``:
+    1 within the node, 2 over all replicas)."""
 
-    Attributes:
-      local_step: updates so far (int32, replicated).
-      sync_level: what the last update did (replicated): 0 nothing, 1 averaged within the node
-        group, 2 averaged over all replicas. ``sync_model_state`` reads it.
-      inner_state: the local optimizer's state (per replica).
-      local_sgd_ledger: what was sent (replicated).
-    """
-
-    local_step: jax.Array
-    sync_level: jax.Array
-    inner_state: optax.OptState
-    local_sgd_ledger: CommLedger
+    node_level: bool
 
 
 def _is_float(x) -> bool:
@@ -116,106 +109,57 @@ def local_sgd(
       "SlowMo", ICLR 2020 (fairscale LocalSGD). PyTorch ``PeriodicModelAverager``,
       ``HierarchicalModelAverager``.
     """
-    if not isinstance(period, int) or period < 1:
-        raise ValueError(f"period={period!r} must be an int ≥ 1")
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} must be an int ≥ 0")
+    check_period("period", period)
     if (local_comm is None) != (local_period is None):
         raise ValueError("give both local_comm and local_period for hierarchical averaging, or neither")
-    if local_period is not None and (
-        not isinstance(local_period, int) or local_period < 1 or period % local_period
-    ):
-        raise ValueError(f"local_period={local_period!r} must be an int ≥ 1 dividing period={period}")
-    for name, c in (("comm", comm), ("local_comm", local_comm)):
-        if c is not None and not isinstance(c, Communicator):
-            raise TypeError(f"{name} must be an optaxdist Communicator, got {type(c).__name__}")
+    if local_period is not None and (check_period("local_period", local_period) and period % local_period):
+        raise ValueError(f"local_period={local_period!r} must divide period={period}")
+    check_comm("comm", comm)
+    if local_comm is not None:
+        check_comm("local_comm", local_comm)
     wire = canonical_comm_dtype(dtype)
-    check_nonfinite(nonfinite)
-    inner = optax.with_extra_args_support(inner)
 
     def kinds(params, inner_state):
         out = {kind_name("param_average", params, wire): payload_bytes(params, wire)}
         if local_comm is not None:
             out[kind_name("local_param_average", params, wire)] = payload_bytes(params, wire)
-        if warmup_steps:
-            out[kind_name("all_reduce", params, wire)] = payload_bytes(params, wire)
         if average_inner_state and _float_leaves(inner_state):
             floats = _float_leaves(inner_state)
             out[kind_name("inner_state_average", floats, wire)] = payload_bytes(floats, wire)
-        return out | start_kinds(check_start, params)
+        return out
 
-    def init_fn(params):
-        inner_state = per_replica(inner.init(params), comm)
-        return LocalSgdState(
-            local_step=jnp.zeros((), jnp.int32),
-            sync_level=jnp.zeros((), jnp.int32),
-            inner_state=inner_state,
-            local_sgd_ledger=CommLedger.create(kinds(params, inner_state)),
-        )
+    def average_over(group: Communicator | None, kind_prefix: str) -> Sync:
+        def sync(x: SyncInput) -> SyncInput:
+            if group is None:  # no node level: never scheduled
+                return x
+            ledger = x.ledger.record(kind_name(kind_prefix, x.params, wire))
+            inner_state = x.inner_state
+            if average_inner_state and _float_leaves(inner_state):
+                inner_state = _average_floats(inner_state, group, wire)
+                ledger = ledger.record(kind_name("inner_state_average", _float_leaves(inner_state), wire))
+            return x._replace(local=group.pmean(x.local, dtype=wire), inner_state=inner_state, ledger=ledger)
 
-    def update_fn(updates, state, params=None, **extra):
-        if params is None:
-            raise ValueError("local_sgd needs params: call update(updates, state, params)")
-        t = comm.uniform(state.local_step)  # keeps the syncs a branch under simulate
-        ledger = check_identical_start(check_start, params, t, state.local_sgd_ledger, comm)
+        return sync
 
-        s = t - warmup_steps + 1
-        level = jnp.where(s % period == 0, GLOBAL_SYNC, NO_SYNC)
+    def schedule(s, num_syncs):
+        level = jnp.where((s + 1) % period == 0, GLOBAL_SYNC, NO_SYNC)
         if local_period is not None:
-            level = jnp.where((level == NO_SYNC) & (s % local_period == 0), LOCAL_SYNC, level)
-        warm = t < warmup_steps
-        level = jnp.where(warm, NO_SYNC, level)
+            level = jnp.where((level == NO_SYNC) & ((s + 1) % local_period == 0), LOCAL_SYNC, level)
+        return level
 
-        # Each branch takes the local step itself: on local steps the inner update is computed
-        # straight into the outputs instead of being copied through an identity branch.
-        def local(g, inner_s):
-            return local_step(inner, g, inner_s, params, nonfinite=nonfinite, **extra)
-
-        def no_average(operand):
-            g, inner_s, led = operand
-            return per_replica((*local(g, inner_s), led), comm)
-
-        def warm_up(operand):
-            g, inner_s, led = operand
-            g = comm.pmean(g, dtype=wire)
-            return per_replica((*local(g, inner_s), led.record(kind_name("all_reduce", g, wire))), comm)
-
-        def average_over(group: Communicator, kind_prefix: str):
-            def branch(operand):
-                g, inner_s, led = operand
-                u, inner_s = local(g, inner_s)
-                target = group.pmean(optax.apply_updates(params, u), dtype=wire)
-                u = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), target, params)
-                led = led.record(kind_name(kind_prefix, params, wire))
-                if average_inner_state and _float_leaves(inner_s):
-                    inner_s = _average_floats(inner_s, group, wire)
-                    led = led.record(kind_name("inner_state_average", _float_leaves(inner_s), wire))
-                return per_replica((u, inner_s, led), comm)
-
-            return branch
-
-        node_average = (
-            average_over(local_comm, "local_param_average") if local_comm is not None else no_average
-        )
-        branches = [no_average, node_average, average_over(comm, "param_average")]
-        index = level
-        if warmup_steps:
-            branches.append(warm_up)
-            index = jnp.where(warm, len(branches) - 1, level)
-        out, inner_state, ledger = jax.lax.switch(index, branches, (updates, state.inner_state, ledger))
-        return out, LocalSgdState(
-            local_step=optax.safe_increment(t),
-            sync_level=level.astype(jnp.int32),
-            inner_state=inner_state,
-            local_sgd_ledger=ledger,
-        )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _local_sgd_states(opt_state: Any) -> list[LocalSgdState]:
-    is_state = lambda x: isinstance(x, LocalSgdState)
-    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+    return periodic(
+        inner,
+        comm=comm,
+        name="local_sgd",
+        schedule=schedule,
+        syncs=[average_over(local_comm, "local_param_average"), average_over(comm, "param_average")],
+        kinds=kinds,
+        init_sync=lambda params: ParamAverage(node_level=local_comm is not None),
+        warmup_steps=warmup_steps,
+        dtype=dtype,
+        check_start=check_start,
+        nonfinite=nonfinite,
+    )
 
 
 def sync_model_state(
@@ -232,16 +176,15 @@ def sync_model_state(
     Communication: one all-reduce of the float leaves of ``model_state`` on sync steps only. This
     function has no state of its own, so these bytes are not in the optimizer's ledger.
     """
-    states = _local_sgd_states(opt_state)
+    states = [s for s in periodic_states(opt_state) if isinstance(s.sync_state, ParamAverage)]
     if len(states) != 1:
         raise ValueError(f"found {len(states)} local_sgd states in opt_state; expected one")
-    node_level = any(k.startswith("local_param_average") for k in states[0].local_sgd_ledger.kinds)
-    if node_level and local_comm is None:
+    if states[0].sync_state.node_level and local_comm is None:
         raise ValueError(
             "local_sgd averages within the node (local_comm=...): pass the same local_comm to "
             "sync_model_state, or the node-level syncs would leave model_state unaveraged"
         )
-    level = states[0].sync_level
+    level = states[0].last_sync
     branches = [
         lambda x: comm.varying(x),
         (lambda x: comm.varying(_average_floats(x, local_comm, None)))

@@ -1,48 +1,109 @@
-"""Outer optimizers on periodically averaged replicas: DiLoCo and SlowMo (one engine).
+"""Outer optimizers on periodically averaged replicas: DiLoCo, SlowMo and Streaming DiLoCo.
 
 Every ``period`` steps the replicas' displacement from the shared *anchor* ``x₀`` (the parameters
 at the last sync) is averaged into a pseudo-gradient ``Δ = x₀ − mean_i(x_i)``; an outer optax
-optimizer turns it into a step on ``x₀``, and every replica restarts from the new ``x₀``.
+optimizer turns it into a step on ``x₀``, and every replica continues from the new ``x₀``.
+Streaming DiLoCo does the same per *fragment* of the parameters, the fragments' syncs staggered
+over the period; DiLoCo is its one-fragment case. All of them are one ``outer_sync`` on the
+periodic engine (``optaxdist.transforms.periodic``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.flatten_util import ravel_pytree
 
-from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
+from optaxdist.accounting import dtype_label, kind_name, payload_bytes
 from optaxdist.agreement import configured
-from optaxdist.comm.base import Communicator
-from optaxdist.transforms._checks import check_float_leaves, check_nonfinite, local_step
-from optaxdist.transforms._start import check_identical_start, start_kinds
-from optaxdist.transforms.allreduce import allreduce
+from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.transforms._checks import check_float_leaves
+from optaxdist.transforms.partial import Partition, balanced_fragments, resolve_partition
+from optaxdist.transforms.periodic import SyncInput, check_comm, check_period, periodic
 
 
-class OuterSyncState(NamedTuple):
-    """State of ``diloco`` / ``slowmo``.
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class OuterLayout:
+    """Static layout of an ``OuterState``: the fragments (tuples of leaf indices of the parameters)
+    and, in the sharded mode, the number of shards (else None)."""
+
+    fragments: Partition
+    num_shards: int | None
+
+
+class OuterState(NamedTuple):
+    """The synchronization state of ``outer_sync`` (``PeriodicState.sync_state``).
 
     Attributes:
-      outer_step: inner steps so far (int32, replicated).
-      inner_state: the inner optimizer's state (per replica).
-      anchor_params: ``x₀``, the parameters at the last sync (replicated). When sharded, a flat
-        block of ``ceil(P / num_shards)`` elements per replica (replica ``i`` holds block ``i``).
-      outer_state: the outer optimizer's state (replicated; a block per replica when sharded).
-      reducer_state: the pseudo-gradient reducer's state (e.g. an error-feedback residual, per
-        replica); empty when sharded.
-      outer_ledger: what the sharded sync sent (reduce-scatter and all-gather; replicated).
+      layout: fragments and sharding (static).
+      anchors: per fragment, ``x₀``: the list of its leaves at the fragment's last sync
+        (replicated); sharded, this replica's flat block of ``ceil(P_f / num_shards)`` elements.
+      outer_states: per fragment, the outer optimizer's state (replicated; a block when sharded).
+      reducer_states: per fragment, a custom reducer's state (e.g. an error-feedback residual, per
+        replica); empty without one.
     """
 
-    outer_step: jax.Array
-    inner_state: optax.OptState
-    anchor_params: Any
-    outer_state: optax.OptState
-    reducer_state: optax.OptState
-    outer_ledger: CommLedger
+    layout: OuterLayout
+    anchors: tuple[Any, ...]
+    outer_states: tuple[optax.OptState, ...]
+    reducer_states: tuple[optax.OptState, ...]
+
+    def anchor_params(self, like: Any) -> Any:
+        """The anchors ``x₀`` as a tree of the structure of ``like`` (the parameters); also on a
+        stack of states (leading replica axes). Not in the sharded mode (each replica holds a
+        block)."""
+        if self.layout.num_shards is not None:
+            raise ValueError("in the sharded mode each replica holds one block of the anchors")
+        leaves: list[Any] = [None] * sum(len(part) for part in self.layout.fragments)
+        for part, anchor in zip(self.layout.fragments, self.anchors):
+            for i, x in zip(part, anchor):
+                leaves[i] = x
+        return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _label(fragments: Partition, f: int, leaves, dtype: Any = None) -> str:
+    """The part of fragment ``f``'s ledger kinds inside the brackets: ``fragment<f>:<dtype>`` (with
+    one fragment, DiLoCo, just the dtype)."""
+    return (f"fragment{f}:" if len(fragments) > 1 else "") + dtype_label(leaves, dtype)
+
+
+def _block_size(leaves, num_shards: int) -> int:
+    return -(-sum(math.prod(x.shape) for x in leaves) // num_shards)
+
+
+def _sharded_kind(op: str, fragments: Partition, f: int, dtype: Any) -> str:
+    return f"{op}[{_label(fragments, f, [], dtype)}]"
+
+
+def sharded_payloads(fragments: Partition, leaves, num_shards: int) -> dict[str, int]:
+    """Ledger kinds and payloads of the sharded mode over ``num_shards`` replicas: per fragment, a
+    reduce-scatter of the padded fragment and an all-gather of one block (``leaves``: the
+    parameters' leaves, arrays or shapes with dtypes)."""
+    out = {}
+    for f, part in enumerate(fragments):
+        mine = [leaves[i] for i in part]
+        dtype = jnp.result_type(*[x.dtype for x in mine])
+        block = _block_size(mine, num_shards)
+        out[_sharded_kind("reduce_scatter", fragments, f, dtype)] = block * num_shards * dtype.itemsize
+        out[_sharded_kind("all_gather", fragments, f, dtype)] = block * dtype.itemsize
+    return out
+
+
+def _flat(leaves) -> jax.Array:
+    return jnp.concatenate([jnp.ravel(x) for x in leaves]) if leaves else jnp.zeros((0,))
+
+
+def _unflat(flat, like) -> list[jax.Array]:
+    out, at = [], 0
+    for x in like:
+        out.append(flat[at : at + x.size].reshape(x.shape).astype(x.dtype))
+        at += x.size
+    return out
 
 
 @configured("outer_sync")
@@ -54,181 +115,225 @@ def outer_sync(
     period: int,
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
+    num_fragments: int = 1,
+    fragments: Partition | Any | None = None,
+    delay: int = 0,
+    blend: float = 0.0,
+    dtype: Any = None,
     anchor_after_first_step: bool = False,
+    warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
-    r"""The engine behind ``diloco`` and ``slowmo``; see ``diloco`` for the math.
+    r"""The engine behind ``diloco``, ``slowmo`` and ``streaming_diloco``; see ``diloco`` for the
+    math and ``streaming_diloco`` for fragments.
 
     Args:
       inner: the local optimizer.
-      outer: the outer optimizer, applied to the averaged pseudo-gradient every ``period`` steps.
-        Its ``update`` receives the extra argument ``inner_step`` (the 0-based step of the sync).
+      outer: the outer optimizer, applied to each fragment's averaged pseudo-gradient at its
+        syncs. Its ``update`` receives the extra argument ``inner_step`` (the 0-based step of the
+        sync).
       comm: all replicas.
-      period: inner steps between syncs (≥ 1).
+      period: inner steps between a fragment's syncs (≥ 1).
       reducer: how the per-replica pseudo-gradients ``x₀ − x_i`` are averaged: any gradient
-        transformation that averages over ``comm`` (default ``allreduce(comm=comm)``; e.g.
-        ``compressed_allreduce(compress.top_k(...), comm=comm)`` for compressed pseudo-gradients
-        with error feedback).
-      num_shards: memory-efficient mode: shard ``x₀`` and the outer state over the ``num_shards``
-        (= ``comm.size``) replicas; a sync is a reduce-scatter of the parameters, the outer update
-        on this replica's block, and an all-gather of the new anchor. Same numbers for element-wise
-        outer optimizers (SGD, Nesterov, Adam), ``1/W`` of the outer memory. Incompatible with a
-        custom ``reducer``.
+        transformation that averages over ``comm`` (e.g. ``compressed_allreduce(compress.top_k(...),
+        comm=comm)`` for compressed pseudo-gradients with error feedback, one state per fragment).
+        Default: ``comm.pmean`` in ``dtype`` (ledger ``all_reduce[...]``).
+      num_shards: memory-efficient mode: shard each fragment's ``x₀`` and outer state over the
+        ``num_shards`` (= ``comm.size``) replicas; a sync is a reduce-scatter of the fragment, the
+        outer update on this replica's block, and an all-gather of the new anchor (at the merge).
+        Same numbers for element-wise outer optimizers (SGD, Nesterov, Adam), ``1/W`` of the outer
+        memory. Incompatible with a custom ``reducer``.
+      num_fragments: F (dividing ``period``); fragment ``f`` syncs when ``(t + 1 + f·H/F) mod H = 0``.
+        1: DiLoCo.
+      fragments: the F fragments as tuples of leaf indices (of ``jax.tree.leaves(params)``) or a
+        function of the parameters returning them (default ``balanced_fragments``).
+      delay: steps between a fragment's sync and the merge of its new anchor (``< H / F``).
+      blend: α ∈ [0, 1), the weight of the local value at the merge (0: replace).
+      dtype: wire dtype of the default mean (None: the parameters' dtype).
       anchor_after_first_step: take ``x₀`` *after* the first local step (fairscale's behaviour:
-        the first sync then covers ``period − 1`` steps) instead of before training. fairscale
-        takes each process's own parameters, so its replicas' anchors differ; here it is their
-        mean (one extra all-reduce at step 0, ledger ``anchor_average[float32]``).
+        the first sync then covers ``period − 1`` steps) as the replicas' mean (one extra
+        all-reduce, ledger ``anchor_average[...]``), instead of the parameters before it.
+      warmup_steps: synchronous steps (gradients all-reduced) before the local steps start; the
+        anchors are taken when they end.
       check_start: on the first step, raise ``ValueError`` if the replicas' parameters differ
         (fingerprints compared: 4 bytes per leaf and a 4-byte vote, ledger
         ``broadcast[start check]``).
       nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
-        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
+        (``"skip"``, the default) or applied as it is (``"ignore"``, no cost).
     """
-    if not isinstance(period, int) or period < 1:
-        raise ValueError(f"period={period!r} must be an int ≥ 1")
-    if not isinstance(comm, Communicator):
-        raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
+    check_period("period", period)
+    check_comm("comm", comm)
     if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
         raise ValueError(f"num_shards={num_shards!r} must be None or an int ≥ 1 (the group size)")
     if num_shards is not None and reducer is not None:
         raise ValueError("num_shards (memory-efficient mode) and a custom reducer can't be combined")
-    check_nonfinite(nonfinite)
-    inner = optax.with_extra_args_support(inner)
+    if not isinstance(num_fragments, int) or num_fragments < 1 or period % num_fragments:
+        raise ValueError(f"num_fragments={num_fragments!r} must be an int ≥ 1 dividing period={period}")
+    stride = period // num_fragments
+    if not isinstance(delay, int) or not 0 <= delay < stride:
+        raise ValueError(f"delay={delay!r} must be an int in [0, period / num_fragments = {stride})")
+    if not 0 <= blend < 1:
+        raise ValueError(f"blend={blend!r} must be in [0, 1)")
+    if num_shards is not None and dtype is not None:
+        raise ValueError("dtype (the default all-reduce's wire dtype) does not apply with num_shards")
+    wire = canonical_comm_dtype(dtype)
     outer = optax.with_extra_args_support(outer)
-    reducer = optax.with_extra_args_support(reducer or allreduce(comm=comm))
+    reducer = optax.with_extra_args_support(reducer) if reducer is not None else None
     sharded = num_shards is not None
+    fragment_spec = fragments if fragments is not None else lambda p: balanced_fragments(p, num_fragments)
 
-    def anchor_kind(params) -> dict[str, int]:
-        kinds = (
-            {kind_name("anchor_average", params): payload_bytes(params)} if anchor_after_first_step else {}
-        )
-        return kinds | start_kinds(check_start, params)
+    def layout_of(params) -> OuterLayout:
+        parts = resolve_partition(fragment_spec, params)
+        if len(parts) != num_fragments:
+            raise ValueError(f"fragments has {len(parts)} groups, num_fragments={num_fragments}")
+        return OuterLayout(parts, num_shards)
 
-    def block_size(params) -> tuple[int, int]:
-        size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-        block = -(-size // num_shards)
-        return size, block
+    def block_size(leaves) -> int:
+        return _block_size(leaves, num_shards)
 
-    def init_fn(params):
-        check_float_leaves(params, "diloco/slowmo")
-        inner_state = per_replica(inner.init(params), comm)
+    def flat_dtype(leaves):
+        return jnp.result_type(*leaves)
+
+    def kinds(params, inner_state) -> dict[str, int]:
+        del inner_state
+        layout, leaves = layout_of(params), jax.tree.leaves(params)
         if sharded:
-            _, block = block_size(params)
-            dtype = jnp.result_type(*jax.tree.leaves(params))
-            # Filled from the parameters on the first update, where this replica's index is known.
-            anchor = jnp.zeros((block,), dtype)
-            ledger = CommLedger.create(
-                {
-                    f"reduce_scatter[{jnp.dtype(dtype).name}]": block
-                    * num_shards
-                    * jnp.dtype(dtype).itemsize,
-                    f"all_gather[{jnp.dtype(dtype).name}]": block * jnp.dtype(dtype).itemsize,
-                    **anchor_kind(params),
-                }
-            )
-            return OuterSyncState(
-                outer_step=jnp.zeros((), jnp.int32),
-                inner_state=inner_state,
-                anchor_params=per_replica(anchor, comm),
-                outer_state=per_replica(outer.init(anchor), comm),
-                reducer_state=(),
-                outer_ledger=ledger,
-            )
-        # a copy, not an alias: callers may donate params and state to the same jitted step
-        anchor = jax.tree.map(lambda p: jnp.array(p, copy=True), params)
-        return OuterSyncState(
-            outer_step=jnp.zeros((), jnp.int32),
-            inner_state=inner_state,
-            anchor_params=per_replica(anchor, comm),
-            outer_state=per_replica(outer.init(anchor), comm),
-            reducer_state=per_replica(reducer.init(params), comm),
-            outer_ledger=CommLedger.create(anchor_kind(params)),
+            out = sharded_payloads(layout.fragments, leaves, num_shards)
+        elif reducer is None:
+            out = {
+                f"all_reduce[{_label(layout.fragments, f, mine, wire)}]": payload_bytes(mine, wire)
+                for f, mine in enumerate([[leaves[i] for i in part] for part in layout.fragments])
+            }
+        else:
+            out = {}
+        if anchor_after_first_step:
+            out[kind_name("anchor_average", params)] = payload_bytes(params)
+        return out
+
+    def init_sync(params) -> OuterState:
+        check_float_leaves(params, "diloco/slowmo")
+        layout, leaves = layout_of(params), jax.tree.leaves(params)
+        anchors = []
+        for part in layout.fragments:
+            mine = [leaves[i] for i in part]
+            if sharded:  # filled from the parameters on the first step, where comm.index() is known
+                anchors.append(jnp.zeros((block_size(mine),), flat_dtype(mine)))
+            else:  # copies, not aliases: callers may donate params and state to the same jitted step
+                anchors.append([jnp.array(x, copy=True) for x in mine])
+        return OuterState(
+            layout=layout,
+            anchors=tuple(anchors),
+            outer_states=tuple(outer.init(a) for a in anchors),
+            reducer_states=tuple(reducer.init(a) for a in anchors) if reducer is not None else (),
         )
 
-    def my_block(flat, block):
+    def my_block(leaves) -> jax.Array:
+        if comm.size != num_shards:
+            raise ValueError(f"num_shards={num_shards} must equal the group size {comm.size}")
+        block = block_size(leaves)
+        flat = _flat(leaves).astype(flat_dtype(leaves))
         padded = jnp.pad(flat, (0, block * num_shards - flat.shape[0]))
         return jax.lax.dynamic_slice(padded, (comm.index() * block,), (block,))
 
-    def update_fn(updates, state, params=None, **extra):
-        if params is None:
-            raise ValueError("diloco/slowmo need params: call update(updates, state, params)")
-        if sharded and comm.size != num_shards:
-            raise ValueError(f"num_shards={num_shards} must equal the group size {comm.size}")
-        t = comm.uniform(state.outer_step)  # keeps the sync a branch under simulate
+    def take_anchors(values):
+        """``begin``: the anchors from ``values`` (leaves), this replica's blocks when sharded."""
 
-        def local(g, inner_s):
-            return local_step(inner, g, inner_s, params, nonfinite=nonfinite, **extra)
+        def take(x: SyncInput) -> list:
+            state: OuterState = x.sync_state
+            leaves = values(x)
+            new = []
+            for part in state.layout.fragments:
+                mine = [leaves[i] for i in part]
+                new.append(my_block(mine) if sharded else [jnp.array(v, copy=True) for v in mine])
+            return x._replace(sync_state=state._replace(anchors=tuple(new)))
 
-        anchor = state.anchor_params
-        ledger = check_identical_start(check_start, params, t, state.outer_ledger, comm)
-        if anchor_after_first_step:
-            # fairscale's quirk, made consistent: x0 is the replicas' mean after the first step
-            def first(operand):
-                anchor, ledger = operand
-                mean = comm.pmean(optax.apply_updates(params, local(updates, state.inner_state)[0]))
-                if sharded:
-                    anchor = my_block(ravel_pytree(mean)[0], block_size(params)[1])
-                else:
-                    anchor = mean
-                return per_replica((anchor, ledger.record(kind_name("anchor_average", params))), comm)
+        return take
 
-            anchor, ledger = jax.lax.cond(t == 0, first, lambda o: per_replica(o, comm), (anchor, ledger))
-        elif sharded:  # the anchor block is filled at step 0, where comm.index() is known
-            anchor = jax.lax.cond(
-                t == 0,
-                lambda a: per_replica(my_block(ravel_pytree(params)[0], block_size(params)[1]), comm),
-                lambda a: per_replica(a, comm),
-                anchor,
-            )
+    def begin(x: SyncInput) -> SyncInput:
+        if anchor_after_first_step:  # fairscale's quirk, made consistent: the replicas' mean
+            mean = comm.pmean(x.local)
+            x = x._replace(ledger=x.ledger.record(kind_name("anchor_average", x.params)))
+            return take_anchors(lambda _: jax.tree.leaves(mean))(x)
+        return take_anchors(lambda x: jax.tree.leaves(x.params))(x)
 
-        # Both branches take the local step themselves, so that on local steps the inner update
-        # is computed straight into the outputs instead of being copied through the cond.
-        def sync(operand):
-            g, inner_s, anchor, outer_state, reducer_state, ledger = operand
-            u, inner_s = local(g, inner_s)
-            local_params = optax.apply_updates(params, u)
+    def sync(f: int):
+        def branch(x: SyncInput) -> SyncInput:
+            state: OuterState = x.sync_state
+            part = state.layout.fragments[f]
+            local = [jax.tree.leaves(x.local)[i] for i in part]
+            anchor, ledger = state.anchors[f], x.ledger
+            reducer_states = list(state.reducer_states)
             if sharded:
-                flat_local, unravel = ravel_pytree(local_params)
-                size, block = block_size(params)
-                padded = jnp.pad(flat_local, (0, block * num_shards - size))
-                mean_block = comm.psum_scatter(padded) / jnp.asarray(num_shards, padded.dtype)
-                delta = anchor - mean_block
-                step, outer_state = outer.update(delta, outer_state, anchor, inner_step=t)
-                anchor = optax.apply_updates(anchor, step)
-                new_params = unravel(comm.all_gather(anchor).reshape(-1)[:size])
-                dt = jnp.dtype(padded.dtype).name
-                ledger = ledger.record(f"reduce_scatter[{dt}]").record(f"all_gather[{dt}]")
+                size = sum(v.size for v in local)
+                flat = _flat(local).astype(anchor.dtype)
+                padded = jnp.pad(flat, (0, anchor.shape[0] * num_shards - size))
+                delta = anchor - comm.psum_scatter(padded) / jnp.asarray(num_shards, padded.dtype)
+                kind = _sharded_kind("reduce_scatter", state.layout.fragments, f, anchor.dtype)
+                ledger = ledger.record(kind)
             else:
-                pseudo = jax.tree.map(lambda a, x: a - x, anchor, local_params)
-                delta, reducer_state = reducer.update(pseudo, reducer_state, anchor)
-                step, outer_state = outer.update(delta, outer_state, anchor, inner_step=t)
-                anchor = optax.apply_updates(anchor, step)
-                new_params = anchor
-            out = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), new_params, params)
-            return per_replica((out, inner_s, anchor, outer_state, reducer_state, ledger), comm)
+                pseudo = [a - v for a, v in zip(anchor, local)]
+                if reducer is None:
+                    delta = comm.pmean(pseudo, dtype=wire)
+                    ledger = ledger.record(f"all_reduce[{_label(state.layout.fragments, f, local, wire)}]")
+                else:
+                    delta, reducer_states[f] = reducer.update(pseudo, reducer_states[f], anchor)
+            outer_states = list(state.outer_states)
+            step, outer_states[f] = outer.update(delta, outer_states[f], anchor, inner_step=x.step)
+            anchors = list(state.anchors)
+            anchors[f] = optax.apply_updates(anchor, step)
+            state = state._replace(
+                anchors=tuple(anchors),
+                outer_states=tuple(outer_states),
+                reducer_states=tuple(reducer_states),
+            )
+            x = x._replace(sync_state=state, ledger=ledger)
+            return merge(f)(x) if delay == 0 else x
 
-        def no_sync(operand):
-            g, inner_s, *rest = operand
-            return per_replica((*local(g, inner_s), *rest), comm)
+        return branch
 
-        out, inner_state, anchor, outer_state, reducer_state, ledger = jax.lax.cond(
-            (t + 1) % period == 0,
-            sync,
-            no_sync,
-            (updates, state.inner_state, anchor, state.outer_state, state.reducer_state, ledger),
-        )
-        return out, OuterSyncState(
-            outer_step=optax.safe_increment(t),
-            inner_state=inner_state,
-            anchor_params=anchor,
-            outer_state=outer_state,
-            reducer_state=reducer_state,
-            outer_ledger=ledger,
-        )
+    def merge(f: int):
+        """Fragment ``f``'s local values ← ``α·local + (1 − α)·x₀`` (``x₀`` itself when α = 0)."""
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+        def branch(x: SyncInput) -> SyncInput:
+            state: OuterState = x.sync_state
+            part = state.layout.fragments[f]
+            values, treedef = jax.tree.flatten(x.local)
+            anchor, ledger = state.anchors[f], x.ledger
+            if sharded:
+                anchor = _unflat(comm.all_gather(anchor).reshape(-1), [values[i] for i in part])
+                kind = _sharded_kind("all_gather", state.layout.fragments, f, state.anchors[f].dtype)
+                ledger = ledger.record(kind)
+            for i, a in zip(part, anchor):
+                values[i] = a if blend == 0 else (blend * values[i] + (1 - blend) * a).astype(values[i].dtype)
+            return x._replace(local=jax.tree.unflatten(treedef, values), ledger=ledger)
+
+        return branch
+
+    def schedule(s, num_syncs):
+        phase = (-(s + 1)) % period  # fragment f syncs when (s + 1 + f·stride) mod H = 0
+        index = jnp.where(phase % stride == 0, 1 + phase // stride, 0)
+        if delay:  # its new anchor is merged delay steps later (never on another fragment's sync)
+            merge_phase = (-(s - delay + 1)) % period
+            merging = (merge_phase % stride == 0) & (s >= delay)
+            index = jnp.where((index == 0) & merging, 1 + num_fragments + merge_phase // stride, index)
+        return index
+
+    fragment_range = range(num_fragments)
+    return periodic(
+        inner,
+        comm=comm,
+        name="diloco/slowmo",
+        schedule=schedule,
+        syncs=[sync(f) for f in fragment_range] + ([merge(f) for f in fragment_range] if delay else []),
+        kinds=kinds,
+        init_sync=init_sync,
+        begin=begin if (sharded or anchor_after_first_step or warmup_steps) else None,
+        warmup_steps=warmup_steps,
+        dtype=dtype,
+        check_start=check_start,
+        nonfinite=nonfinite,
+    )
 
 
 def diloco_outer_optimizer(
@@ -247,6 +352,8 @@ def diloco(
     period: int,
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
+    dtype: Any = None,
+    warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
@@ -274,8 +381,11 @@ def diloco(
         momentum 0.9).
       comm: all replicas.
       period: H, local steps between syncs (DiLoCo: 500).
-      reducer: averages the pseudo-gradients (default ``allreduce(comm=comm)``).
+      reducer: averages the pseudo-gradients (default: ``comm.pmean`` in ``dtype``).
       num_shards: shard the anchor and outer state over the replicas (``= comm.size``).
+      dtype: wire dtype of the default all-reduce (None: the parameters' dtype).
+      warmup_steps: synchronous steps (gradients all-reduced) before the local steps; the anchor
+        is taken when they end.
       check_start: raise on the first step if the replicas' parameters differ.
       nonfinite: a local step whose update is not finite is skipped on this replica only
         (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
@@ -295,6 +405,8 @@ def diloco(
         period=period,
         reducer=reducer,
         num_shards=num_shards,
+        dtype=dtype,
+        warmup_steps=warmup_steps,
         check_start=check_start,
         nonfinite=nonfinite,
     )
@@ -397,6 +509,81 @@ def slowmo(
         period=period,
         num_shards=num_shards,
         anchor_after_first_step=anchor_after_first_step,
+        check_start=check_start,
+        nonfinite=nonfinite,
+    )
+
+
+@configured("streaming_diloco")
+def streaming_diloco(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation | None = None,
+    *,
+    comm: Communicator,
+    period: int,
+    num_fragments: int,
+    delay: int = 0,
+    blend: float = 0.0,
+    fragments: Partition | Any | None = None,
+    reducer: optax.GradientTransformation | None = None,
+    num_shards: int | None = None,
+    dtype: Any = None,
+    warmup_steps: int = 0,
+    check_start: bool = True,
+    nonfinite: str = "skip",
+) -> optax.GradientTransformationExtraArgs:
+    r"""Streaming DiLoCo: DiLoCo per fragment, fragment syncs staggered across the period.
+
+    Fragment :math:`f` of :math:`F` syncs on steps :math:`t` with
+    :math:`(t + 1 + f H / F) \bmod H = 0`. Its sync is DiLoCo's on its leaves only:
+    :math:`\Delta_f = \frac1W\sum_i (x_{0,f} - x_{i,f})`, :math:`x_{0,f} \leftarrow x_{0,f} +
+    \mathrm{outer}_f(\Delta_f)`. The new anchor is merged ``delay`` steps later (the paper's
+    overlap semantics; the all-reduce itself runs at the sync step) as
+    :math:`x_{i,f} \leftarrow \alpha\, x_{i,f} + (1-\alpha) x_{0,f}` with :math:`\alpha` = ``blend``
+    (0: replace). One fragment, no delay, no blend is ``diloco``, on the same code path.
+
+    Communication: one all-reduce of one fragment's parameters on each fragment sync, i.e. the
+    same ``P/H`` bytes per step on average as DiLoCo with ``F`` times lower peak (ledger
+    ``all_reduce[fragment<f>:<dtype>]``); with a ``reducer``, what it sends; with ``num_shards``, a
+    reduce-scatter of the fragment at its sync and an all-gather of ``1/W`` of it at its merge.
+
+    Args:
+      inner: the local optimizer.
+      outer: the outer optimizer for every fragment (default DiLoCo's Nesterov SGD 0.7 / 0.9).
+      comm: all replicas.
+      period: H, the outer period of every fragment.
+      num_fragments: F; ``H`` must be a multiple of ``F``.
+      delay: τ, steps between a fragment's sync and the merge of its new anchor; ``< H / F`` so at
+        most one merge is pending.
+      blend: α ∈ [0, 1), the weight of the local value at the merge.
+      fragments: explicit fragments (tuples of leaf indices); default ``balanced_fragments``.
+      reducer: averages each fragment's pseudo-gradient (one state per fragment; default
+        ``comm.pmean`` in ``dtype``), e.g. ``compressed_allreduce(...)``.
+      num_shards: shard each fragment's anchor and outer state over the replicas (``= comm.size``).
+      dtype: wire dtype of the default all-reduce (None: the parameters' dtype).
+      warmup_steps: synchronous steps before the local steps; the anchors are taken when they end.
+      check_start: raise on the first step if the replicas' parameters differ (compares a
+        fingerprint: 4 bytes per leaf).
+      nonfinite: a local step whose update is not finite is skipped on this replica only
+        (``"skip"``, the default) or applied as it is (``"ignore"``, no cost).
+
+    References:
+      Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed
+      Free Lunch", arXiv:2501.18512.
+    """
+    return outer_sync(
+        inner,
+        outer if outer is not None else diloco_outer_optimizer(),
+        comm=comm,
+        period=period,
+        reducer=reducer,
+        num_shards=num_shards,
+        num_fragments=num_fragments,
+        fragments=fragments,
+        delay=delay,
+        blend=blend,
+        dtype=dtype,
+        warmup_steps=warmup_steps,
         check_start=check_start,
         nonfinite=nonfinite,
     )

@@ -1,0 +1,235 @@
+"""The periodic-synchronization engine: a local step, then a synchronization on a static schedule.
+
+Local SGD, DiLoCo, SlowMo, partial averaging and Streaming DiLoCo are each one call of
+``periodic``: what differs between them is the *schedule* (which synchronization, if any, follows
+the local step of update ``t``) and the *synchronizations* themselves (a mean of the parameters, an
+outer optimizer step on the averaged displacement, the same on one fragment of the parameters...).
+Everything else exists once, here, for all of them:
+
+* the step counter, seen as replica-uniform (``Communicator.uniform``) so that the schedule's
+  ``lax.switch`` stays a branch under ``simulate`` as it is on a mesh and under MPI;
+* the local step of ``inner`` under the non-finite policy (``nonfinite=``);
+* the warm-up (``warmup_steps``: gradients all-reduced before the local step, no synchronization);
+* the start check (``check_start``) and a synchronization's ``begin`` hook (anchors taken when the
+  warm-up ends), both in a branch of the same switch that runs on one step only;
+* ``updates = new parameters − parameters``, and marking the branches' outputs per replica.
+
+A synchronization is a function ``SyncInput → SyncInput`` that replaces ``local`` (the parameters
+after this replica's local step) by the parameters every replica continues from, and updates its
+own state and the ledger. It may call the communicator; it runs only on the steps the schedule
+gives it. The smallest example, parameter averaging every ``period`` steps::
+
+    def average(x: SyncInput) -> SyncInput:
+        return x._replace(local=comm.pmean(x.local), ledger=x.ledger.record(kind))
+
+    tx = periodic(
+        inner, comm=comm, name="my_local_sgd", schedule=lambda t, n: jnp.where((t + 1) % period == 0, 1, 0),
+        syncs=[average], kinds=lambda params, inner_state: {kind: payload_bytes(params)},
+    )
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
+from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.transforms._checks import check_nonfinite, local_step
+from optaxdist.transforms._start import check_identical_start, start_kinds
+
+
+class PeriodicState(NamedTuple):
+    """State of every transform built on ``periodic``.
+
+    Attributes:
+      step: updates so far (int32, replicated).
+      last_sync: the synchronization the last update ran (replicated): 0 none, ``k`` the
+        schedule's ``k``-th (1-based); ``sync_model_state`` reads it.
+      inner_state: the local optimizer's state (per replica).
+      sync_state: the synchronizations' own state (anchors, outer optimizer state, residuals).
+      ledger: what was sent (replicated).
+    """
+
+    step: jax.Array
+    last_sync: jax.Array
+    inner_state: optax.OptState
+    sync_state: Any
+    ledger: CommLedger
+
+
+class SyncInput(NamedTuple):
+    """What a synchronization sees, and (with ``local`` replaced) what it returns.
+
+    Attributes:
+      step: this update's step counted from the end of the warm-up (replicated int32).
+      params: the parameters before this update.
+      local: the parameters after this replica's local step; a synchronization replaces them by
+        the parameters every replica continues from.
+      inner_state: the local optimizer's state after the local step.
+      sync_state: the synchronizations' state.
+      ledger: the ledger; record what is sent.
+    """
+
+    step: jax.Array
+    params: Any
+    local: Any
+    inner_state: Any
+    sync_state: Any
+    ledger: CommLedger
+
+
+Sync = Callable[[SyncInput], SyncInput]
+
+
+def check_period(name: str, value: Any) -> int:
+    """Validate an ``int ≥ 1`` schedule parameter at construction."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int ≥ 1")
+    return value
+
+
+def check_comm(name: str, comm: Any) -> None:
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"{name} must be an optaxdist Communicator, got {type(comm).__name__}")
+
+
+def periodic(
+    inner: optax.GradientTransformation,
+    *,
+    comm: Communicator,
+    name: str,
+    schedule: Callable[[jax.Array, int], jax.Array],
+    syncs: Sequence[Sync] | Callable[[Any], Sequence[Sync]],
+    kinds: Callable[[Any, Any], dict[str, int]] = lambda params, inner_state: {},
+    init_sync: Callable[[Any], Any] = lambda params: (),
+    begin: Sync | None = None,
+    warmup_steps: int = 0,
+    dtype: Any = None,
+    check_start: bool = True,
+    nonfinite: str = "skip",
+) -> optax.GradientTransformationExtraArgs:
+    r"""Local steps of ``inner``; after the local step of update ``t``, synchronization
+    ``syncs[k − 1]`` where ``k = schedule(t − warmup_steps, len(syncs)) ≥ 1``.
+
+    Args:
+      inner: the local optimizer.
+      comm: all replicas (the start check, the warm-up's all-reduce, replica-uniform counters).
+      name: the transform's name, for error messages.
+      schedule: ``(step, number of syncs) → index``: maps the step counted from the end of the
+        warm-up (a replicated int32) to the 1-based index of the synchronization that follows the
+        local step, 0 for none. A pure function of the step: the same on every replica.
+      syncs: the synchronizations (``SyncInput → SyncInput``), or a function of the parameters
+        returning them (when their number depends on the parameters).
+      kinds: ``(params, inner_state) → {ledger kind: payload bytes}``: what the synchronizations
+        record. The warm-up's and the start check's kinds are added here.
+      init_sync: ``params → sync_state``.
+      begin: run once, on the first step after the warm-up, after the local step and before that
+        step's synchronization (e.g. taking the anchors from the parameters).
+      warmup_steps: updates whose gradients are all-reduced (over ``comm``, in ``dtype``) before
+        the local step, with no synchronization: replicas stay identical (post-local SGD).
+      dtype: wire dtype of the warm-up's all-reduce (None: the gradients' dtype).
+      check_start: on the first update, raise ``ValueError`` on every replica if their parameters
+        differ (fingerprints compared: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``).
+      nonfinite: ``"skip"`` (a local step whose update is not finite is not taken on this replica:
+        zero update, inner state kept) or ``"ignore"`` (no check, no cost).
+
+    The schedule's synchronizations, the warm-up and the first step after it are branches of one
+    ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
+    step, on every harness.
+    """
+    if not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r} must be an int ≥ 0")
+    check_comm("comm", comm)
+    check_nonfinite(nonfinite)
+    wire = canonical_comm_dtype(dtype)
+    inner = optax.with_extra_args_support(inner)
+
+    def all_kinds(params, inner_state) -> dict[str, int]:
+        out = dict(kinds(params, inner_state))
+        if warmup_steps:
+            out[kind_name("all_reduce", params, wire)] = payload_bytes(params, wire)
+        return out | start_kinds(check_start, params)
+
+    def init_fn(params):
+        inner_state = per_replica(inner.init(params), comm)
+        return PeriodicState(
+            step=jnp.zeros((), jnp.int32),
+            last_sync=jnp.zeros((), jnp.int32),
+            inner_state=inner_state,
+            sync_state=per_replica(init_sync(params), comm),
+            ledger=CommLedger.create(all_kinds(params, inner_state)),
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError(f"{name} needs params: call update(updates, state, params)")
+        bodies = tuple(syncs(params) if callable(syncs) else syncs)
+        t = comm.uniform(state.step)  # keeps the switch a branch under simulate
+        s = t - warmup_steps
+        ledger = check_identical_start(check_start, params, t, state.ledger, comm)
+
+        def local(grads, inner_state, sync_state, ledger) -> SyncInput:
+            u, inner_state = local_step(inner, grads, inner_state, params, nonfinite=nonfinite, **extra)
+            local_params = optax.apply_updates(params, u)
+            return SyncInput(s, params, local_params, inner_state, sync_state, ledger), u
+
+        def outputs(x: SyncInput, u=None):
+            """The branch's outputs: ``u`` is the local step's update when no synchronization ran."""
+            if u is None:
+                u = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), x.local, params)
+            return per_replica((u, x.inner_state, x.sync_state, x.ledger), comm)
+
+        def local_only(operand):
+            return outputs(*local(*operand))
+
+        def synchronized(sync: Sync):
+            return lambda operand: outputs(sync(local(*operand)[0]))
+
+        def warm_up(operand):
+            grads, inner_state, sync_state, ledger = operand
+            grads = comm.pmean(grads, dtype=wire)
+            ledger = ledger.record(kind_name("all_reduce", params, wire))
+            return local_only((grads, inner_state, sync_state, ledger))
+
+        regular = [local_only, *(synchronized(f) for f in bodies)]
+        index = schedule(s, len(bodies))
+        branches = list(regular)
+        if warmup_steps:
+            branches.append(warm_up)
+            index = jnp.where(t < warmup_steps, len(branches) - 1, index)
+        if begin is not None:
+
+            def first(operand):
+                x, u = local(*operand)
+                x = begin(x)
+                return jax.lax.switch(
+                    schedule(s, len(bodies)),
+                    [lambda x: outputs(x, u)] + [lambda x, f=f: outputs(f(x)) for f in bodies],
+                    x,
+                )
+
+            branches.append(first)
+            index = jnp.where(t == warmup_steps, len(branches) - 1, index)
+        out, inner_state, sync_state, ledger = jax.lax.switch(
+            index, branches, (updates, state.inner_state, state.sync_state, ledger)
+        )
+        return out, PeriodicState(
+            step=optax.safe_increment(t),
+            last_sync=jnp.where(t < warmup_steps, 0, schedule(s, len(bodies))).astype(jnp.int32),
+            inner_state=inner_state,
+            sync_state=sync_state,
+            ledger=ledger,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def periodic_states(opt_state: Any) -> list[PeriodicState]:
+    """The ``PeriodicState`` nodes of an optimizer state, outermost first."""
+    is_state = lambda x: isinstance(x, PeriodicState)
+    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
