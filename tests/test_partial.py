@@ -1,5 +1,6 @@
 """SINGA partial averaging and Streaming DiLoCo."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -121,3 +122,83 @@ def test_balanced_fragments_never_empty():
     frags = od.balanced_fragments(params, 3)
     assert frags == ((0,), (1,), (2, 3))
     assert od.balanced_fragments(params, 4) == ((0,), (1,), (2,), (3,))
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_streaming_sharded_equals_unsharded(harness, delay):
+    """num_shards: each fragment's anchor and outer state sharded; the new anchor is all-gathered at
+    the merge. Nesterov outer steps are element-wise: the same numbers."""
+    n, period, frags = harness.n, 4, ((0,), (1,))
+
+    def make(num_shards):
+        return lambda c: od.streaming_diloco(
+            optax.sgd(LR),
+            comm=c,
+            period=period,
+            num_fragments=2,
+            delay=delay,
+            fragments=frags,
+            num_shards=num_shards,
+        )
+
+    a, state = run_trajectory(harness, make(n), steps=11)
+    b, _ = run_trajectory(harness, make(None), steps=11)
+    close(a, b, atol=1e-6)
+    blocks = [-(-2 // n), -(-6 // n)]  # b: 2 elements, w: 6
+    syncs = [2, 3]  # fragment 0 syncs at t = 3, 7; fragment 1 at t = 1, 5, 9; each merges delay later
+    expected = {}
+    for f in (0, 1):
+        expected[f"reduce_scatter[fragment{f}:float32]"] = od.KindTotals(
+            syncs[f], syncs[f] * blocks[f] * n * 4
+        )
+        expected[f"all_gather[fragment{f}:float32]"] = od.KindTotals(syncs[f], syncs[f] * blocks[f] * 4)
+    assert sync_stats(state) == expected
+
+
+def test_streaming_with_a_reducer(harness):
+    """Any averaging transformation reduces each fragment's pseudo-gradient, with its own state:
+    ``allreduce`` gives the default's numbers, top-k with error feedback keeps a residual per fragment."""
+    make = lambda reducer: (
+        lambda c: od.streaming_diloco(
+            optax.sgd(LR), comm=c, period=4, num_fragments=2, reducer=reducer(c) if reducer else None
+        )
+    )
+    a, _ = run_trajectory(harness, make(lambda c: od.allreduce(comm=c)), steps=11)
+    b, _ = run_trajectory(harness, make(None), steps=11)
+    close(a, b, atol=0)
+    params, state = run_trajectory(
+        harness, make(lambda c: od.compressed_allreduce(od.compress.top_k(fraction=0.5), comm=c)), steps=11
+    )
+    assert np.isfinite(params["w"]).all()
+    assert sync_stats(state) == {"all_gather[top_k]": od.KindTotals(5, 2 * (1 * 8) + 3 * (3 * 8))}
+    residuals = [r.error for r in state.sync_state.reducer_states]
+    assert [len(jax.tree.leaves(r)) for r in residuals] == [1, 1]
+
+
+def test_diloco_warmup_equals_local_sgd_warmup(harness):
+    """The engine's warm-up (gradients all-reduced, then the anchor taken) works for DiLoCo too:
+    with outer sgd(1) it is post-local SGD."""
+    a, state = run_trajectory(
+        harness,
+        lambda c: od.diloco(optax.sgd(LR), optax.sgd(1.0), comm=c, period=3, warmup_steps=2),
+        steps=11,
+    )
+    b, _ = run_trajectory(
+        harness, lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=3, warmup_steps=2), steps=11
+    )
+    close(a, b, atol=1e-6)
+    assert sync_stats(state) == {
+        "all_reduce[float32]": od.KindTotals(2 + 3, 2 * 8 * 4 + 3 * 8 * 4),  # 2 warm-up steps, 3 syncs
+    }
+
+
+def test_partial_average_wire_dtype(harness):
+    parts = ((1,), (0,))
+    _, state = run_trajectory(
+        harness,
+        lambda c: od.partial_average(optax.sgd(LR), comm=c, partitions=parts, dtype=jnp.bfloat16),
+        steps=5,
+    )
+    stats = sync_stats(state)
+    assert stats["all_reduce[partition0:bfloat16]"] == od.KindTotals(3, 3 * 6 * 2)
+    assert stats["all_reduce[partition1:bfloat16]"] == od.KindTotals(2, 2 * 2 * 2)
