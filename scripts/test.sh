@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite: vmap, 8-device mesh, mpirun -n 2 / -n 4, and 2-process jax.distributed.
+# The test suite: vmap, 8-device mesh, mpirun -n 2, and 2-process jax.distributed, within 15
+# minutes on 2 cores. `--all` adds the cases marked slow (mpirun -n 4, every checkpointed
+# algorithm under mpirun and jax.distributed, ...); other arguments go to pytest.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -7,4 +9,8 @@ bash scripts/setup_venv.sh
 export PATH="$root/.venv/bin:$PATH"
 ruff check optaxdist tests examples
 ruff format --check optaxdist tests examples
-exec python -m pytest -q "$@"
+if [[ "${1:-}" == "--all" ]]; then
+  shift
+  exec python -m pytest -q "$@"
+fi
+exec python -m pytest -q -m "not slow" "$@"

@@ -43,8 +43,7 @@ FILES_UNDER_FOUR_RANKS = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_harness_tests_under_mpirun(nproc, tmp_path):
     env = dict(
         os.environ,

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import optax
-import pytest
 
 import optaxdist as od
 from tests.harness import VmapHarness
@@ -23,7 +22,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_process_mesh_matches_simulation(tmp_path):
     port, nproc = _free_port(), 2
     env = dict(os.environ, PYTHONPATH=str(ROOT))
