@@ -30,7 +30,6 @@ class Compressor(abc.ABC):
     """
 
     exchange: ClassVar[Exchange] = "all_reduce"
-    needs_key: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod

@@ -50,7 +50,6 @@ class _SharedIndices(Compressor):
 
     fraction: float | None = None
     count: int | None = None
-    needs_key = True
 
     def __post_init__(self):
         check_fraction_or_count(self.fraction, self.count)
