@@ -231,9 +231,9 @@ def daso(
       An ``optax.GradientTransformationExtraArgs`` with state ``DasoState``.
 
     Example:
-      >>> h = optaxdist.axis_hierarchy(2, 4)  # doctest: +SKIP
+      >>> h = optaxdist.axis_hierarchy(2, 4)
       >>> tx = daso(optax.sgd(0.1), local_comm=h.local, global_comm=h.cross,
-      ...           steps_per_epoch=100, total_epochs=90)  # doctest: +SKIP
+      ...           steps_per_epoch=100, total_epochs=90)
       >>> updates, state = tx.update(grads, state, params, value=loss)  # doctest: +SKIP
 
     References:

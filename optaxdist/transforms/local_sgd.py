@@ -102,7 +102,7 @@ def local_sgd(
         gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     Example:
-      >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)  # doctest: +SKIP
+      >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)
 
     References:
       Lin et al., "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020. Wang et al.,

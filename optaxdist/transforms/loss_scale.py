@@ -92,7 +92,7 @@ def dynamic_loss_scale(
       raise_at_min_scale: raise instead of clamping when an overflow hits ``min_scale``.
 
     Example:
-      >>> tx = dynamic_loss_scale(optax.chain(allreduce(comm=c), optax.sgd(0.1)), comm=c)  # doctest: +SKIP
+      >>> tx = dynamic_loss_scale(optax.chain(optaxdist.allreduce(comm=c), optax.sgd(0.1)), comm=c)
       >>> grads = jax.grad(lambda p: scale_loss(loss_fn(p), opt_state))(params)  # doctest: +SKIP
 
     References:

@@ -392,7 +392,7 @@ def diloco(
         gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
 
     Example:
-      >>> tx = diloco(optax.adamw(4e-4), comm=comm, period=500)  # doctest: +SKIP
+      >>> tx = diloco(optax.adamw(4e-4), comm=comm, period=500)
 
     References:
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
