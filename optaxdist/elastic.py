@@ -311,18 +311,22 @@ class _Resizer:
         n, m = self.n, self.m
         outer: OuterState = s.sync_state
         fragments = outer.layout.fragments
+        total = sum(math.prod(x.shape) for x in self.leaf_shapes)
         covered = sorted(i for part in fragments for i in part) == list(range(len(self.leaf_shapes)))
+        if not covered or outer.layout.num_shards != n:
+            raise ValueError(
+                f"{path}: a sharded outer state over {outer.layout.num_shards} replicas does not cover "
+                f"the {total} elements of params on {n} replicas; resizing a sharded "
+                "DiLoCo/SlowMo/Streaming DiLoCo that covers only part of the parameters (inside "
+                "optax.multi_transform or masked) is not supported"
+            )
         anchors, outer_states = [], []
         for f, part in enumerate(fragments):
             block = np.shape(outer.anchors[f])[1]
-            total = sum(math.prod(x.shape) for x in self.leaf_shapes)
-            size = sum(math.prod(self.leaf_shapes[i].shape) for i in part) if covered else total
-            if not covered or not 0 <= n * block - size < n:
-                what = f"fragment {f} ({size} elements)" if covered else f"the {total} elements of params"
+            size = sum(math.prod(self.leaf_shapes[i].shape) for i in part)
+            if not 0 <= n * block - size < n:
                 raise ValueError(
-                    f"{path}: a sharded outer state of {n} blocks of {block} elements does not cover "
-                    f"{what}; resizing a sharded DiLoCo/SlowMo that covers only part "
-                    "of the parameters (inside optax.multi_transform or masked) is not supported"
+                    f"{path}: {n} blocks of {block} elements do not hold fragment {f} ({size} elements)"
                 )
             new_block = -(-size // m)
 

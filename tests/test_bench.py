@@ -308,3 +308,53 @@ def test_charlm_windows_and_a_short_run(tmp_path):
     p = rec["model"]["parameters"]
     assert dl["bytes_by_kind"]["all_reduce[float32]"] == {"collectives": 1, "bytes": 4 * p}
     assert dl["curve"]["test_loss"][-1] < dl["curve"]["test_loss"][0]
+
+
+def test_overhead_local_steps_rows(tmp_path, capsys):
+    """The local-steps rows of the overhead suite at a tiny size: record structure, and the exact
+    state bytes per parameter byte (never timings)."""
+    rc = main(
+        [
+            "bench",
+            "--suite",
+            "overhead",
+            "--rows",
+            "local-steps",
+            "--transforms",
+            "local_sgd,diloco",
+            "--replica-counts",
+            "8",
+            "--local-params",
+            "1K",
+            "--repeats",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    assert "| local_sgd | simulate | 8 | 1,024 |" in capsys.readouterr().out
+    rec = json.loads((tmp_path / "overhead_simulate.json").read_text())
+    assert rec["rows"] == ["local-steps"] and rec["results"] == []
+    section = rec["local_steps"]
+    rows = {r["transform"]: r for r in section["results"]}
+    assert set(rows) == {"local_sgd", "diloco"}
+    param_bytes = 4 * 4 * 16 * 16  # four 16×16 float32 matrices
+    for r in rows.values():
+        assert (r["harness"], r["replicas"], r["parameters"]) == ("simulate", 8, 1024)
+        assert r["param_bytes"] == param_bytes
+        for key in ("local", "plain", "sync", "hand_sync"):
+            assert len(r["samples_s"][key]) == 2
+        assert r["local_ratio"] == r["local_ms"] / r["plain_ms"] > 0
+        assert r["sync_ratio"] == r["sync_ms"] / r["hand_sync_ms"] > 0
+        assert r["compile_s"] > 0
+    # momentum SGD keeps one trace; DiLoCo adds the anchor and the outer Nesterov momentum
+    assert rows["local_sgd"]["buffer_bytes_per_param_byte"] == 1.0
+    assert rows["diloco"]["buffer_bytes_per_param_byte"] == 3.0
+    table = {r["transform"]: r for r in section["state_bytes"]}
+    expected = {"local_sgd": 1.0, "diloco": 3.0, "slowmo": 3.0, "streaming_diloco": 3.0}
+    expected |= {"decentralized_sgd": 1.0, "sgp": 1.0, "allreduce": 1.0, "topk_1pct_ef": 2.0}
+    for name, buffers in expected.items():
+        assert table[name]["buffer_bytes_per_param_byte"] == buffers, name
+        assert table[name]["state_bytes"] == buffers * param_bytes + table[name]["fixed_state_bytes"]

@@ -202,3 +202,36 @@ def test_partial_average_wire_dtype(harness):
     stats = sync_stats(state)
     assert stats["all_reduce[partition0:bfloat16]"] == od.KindTotals(3, 3 * 6 * 2)
     assert stats["all_reduce[partition1:bfloat16]"] == od.KindTotals(2, 2 * 2 * 2)
+
+
+def test_diloco_outer_optimizer_sees_the_parameter_tree(harness):
+    """One fragment keeps the parameters' structure: tree-structured outer optimizers work."""
+    masked = lambda: optax.masked(optax.sgd(0.7), {"b": False, "w": True})
+    labelled = lambda: optax.multi_transform(
+        {"outer": optax.sgd(0.7), "plain": optax.identity()}, {"b": "plain", "w": "outer"}
+    )
+    a, _ = run_trajectory(harness, lambda c: od.diloco(optax.sgd(LR), masked(), comm=c, period=3), steps=9)
+    b, _ = run_trajectory(harness, lambda c: od.diloco(optax.sgd(LR), labelled(), comm=c, period=3), steps=9)
+    close(a, b, atol=0)
+
+
+def _recording_outer():
+    """An outer sgd(1) that keeps the ``inner_step`` of its last update."""
+
+    def init(params):
+        return jnp.asarray(-1, jnp.int32)
+
+    def update(delta, state, params=None, *, inner_step, **extra):
+        return jax.tree.map(lambda d: -d, delta), jnp.asarray(inner_step, jnp.int32)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def test_outer_optimizer_gets_the_absolute_step_after_a_warmup(harness):
+    _, state = run_trajectory(
+        harness,
+        lambda c: od.diloco(optax.sgd(LR), _recording_outer(), comm=c, period=3, warmup_steps=2),
+        steps=11,
+    )
+    # syncs after the warm-up of 2 steps: t = 4, 7, 10 (the inner optimizer's own step)
+    np.testing.assert_array_equal(state.sync_state.outer_states[0], 10)

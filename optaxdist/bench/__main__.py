@@ -37,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         "--suite",
         choices=("train", "overhead", "compression-cost"),
         default="train",
-        help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd; "
+        help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd, and the "
+        "local/sync steps of the periodic-sync transforms (--rows); "
         "compression-cost: compression compute per step (one replica) vs PyTorch's "
         "powerSGD_hook, with the modelled comm time",
     )
@@ -106,6 +107,44 @@ def _parser() -> argparse.ArgumentParser:
     )
     o.add_argument("--sizes", default=None, help="parameter counts (overhead: 1M,25M; compression-cost: 25M)")
     o.add_argument(
+        "--rows",
+        default="abstraction",
+        help="comma list: abstraction (allreduce+sgd vs lax.pmean+sgd, over --sizes) and/or "
+        "local-steps (local and sync step of every periodic-sync transform vs a plain optax step "
+        "and the hand-written collective; compile time; state bytes per parameter byte)",
+    )
+    o.add_argument(
+        "--replica-counts",
+        default=None,
+        help="local-steps rows: comma list of replica counts, e.g. 8,64,512 (default: --replicas "
+        "and 512; parameters per replica: see --local-params)",
+    )
+    o.add_argument(
+        "--harness",
+        default=None,
+        help="local-steps rows: comma list of simulate, mesh (default: simulate, plus mesh with "
+        "--backend mesh); mesh forces max(8, --replicas) host devices and runs only the replica "
+        "counts that fit",
+    )
+    o.add_argument(
+        "--transforms",
+        default=None,
+        help="local-steps rows: comma list of local_sgd, diloco, slowmo, streaming_diloco, "
+        "decentralized_sgd, sgp, daso (default: all)",
+    )
+    o.add_argument(
+        "--variants",
+        default="default",
+        help="local-steps rows: comma list of default, no-start-check (check_start=False), "
+        "nonfinite-ignore (nonfinite='ignore'), bare (both): the transforms' options",
+    )
+    o.add_argument(
+        "--local-params",
+        default=None,
+        help="local-steps rows: parameters per replica, e.g. 100K (default: 100K up to 64 "
+        "replicas, 10K above)",
+    )
+    o.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -137,11 +176,61 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _force_host_devices(n: int) -> None:
-    """Ask XLA for ``n`` CPU devices; effective if no JAX backend has been initialised yet."""
+    """Ask XLA for ``n`` CPU devices; effective if no JAX backend has been initialised yet.
+
+    The flag configures the CPU (host) platform only: on a GPU the default backend, and so the
+    mesh harness, still sees the GPUs (and a mesh row needing more devices than exist is skipped).
+    Nothing is set when ``JAX_PLATFORMS`` excludes the CPU.
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    if platforms and "cpu" not in platforms.split(","):
+        return
     flag = f"--xla_force_host_platform_device_count={n}"
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+
+
+def _comma_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
+    """The overhead suite's rows and the options of its local-steps rows (``ValueError`` if bad).
+
+    Starts no JAX backend: the mesh harness must force its host devices first.
+    """
+    from optaxdist.bench.local_steps import TRANSFORMS, VARIANTS
+    from optaxdist.bench.overhead import parse_size
+
+    rows = _comma_list(args.rows)
+    allowed_rows = ("abstraction", "local-steps")
+    if not rows or any(r not in allowed_rows for r in rows):
+        raise ValueError(f"--rows {args.rows!r}: comma list of {', '.join(allowed_rows)}")
+    try:
+        counts = [int(c) for c in _comma_list(args.replica_counts or f"{args.replicas},512")]
+    except ValueError:
+        raise ValueError(f"--replica-counts {args.replica_counts!r}: comma list of ints") from None
+    counts = list(dict.fromkeys(counts))  # in order, without repeats
+    if not counts or min(counts) < 2:
+        raise ValueError(f"--replica-counts {args.replica_counts!r}: every count must be ≥ 2")
+    default_harness = "simulate,mesh" if args.backend == "mesh" else "simulate"
+    harnesses = _comma_list(args.harness or default_harness)
+    if not harnesses or any(h not in ("simulate", "mesh") for h in harnesses):
+        raise ValueError(f"--harness {args.harness!r}: comma list of simulate, mesh")
+    local_steps: dict = {"replica_counts": counts, "harnesses": harnesses}
+    if args.transforms:
+        transforms = _comma_list(args.transforms)
+        if not transforms or any(t not in TRANSFORMS for t in transforms):
+            raise ValueError(f"--transforms {args.transforms!r}: comma list of {', '.join(TRANSFORMS)}")
+        local_steps["transforms"] = transforms
+    variants = _comma_list(args.variants)
+    if not variants or any(v not in VARIANTS for v in variants):
+        raise ValueError(f"--variants {args.variants!r}: comma list of {', '.join(VARIANTS)}")
+    local_steps["variants"] = variants
+    if args.local_params:
+        local_steps["n_params"] = parse_size(args.local_params)
+    return rows, local_steps
 
 
 def _compression_cost(args: argparse.Namespace) -> int:
@@ -198,8 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _compression_cost(args)
 
     if args.suite == "overhead":
-        if args.backend == "mesh":
-            _force_host_devices(args.replicas)  # before the first JAX computation
+        try:
+            rows, local_steps = _overhead_options(args)
+        except ValueError as e:
+            print(f"optaxdist bench: error: {e}", file=sys.stderr)
+            return 2
+        if args.backend == "mesh" or "mesh" in local_steps["harnesses"]:
+            _force_host_devices(max(args.replicas, 8))  # before the first JAX computation
         from optaxdist.bench.overhead import parse_size, run_overhead
 
         sizes = [parse_size(s) for s in (args.sizes or "1M,25M").split(",") if s.strip()]
@@ -210,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             harnesses=harnesses,
             repeats=args.repeats or 11,
             progress=not args.quiet,
+            rows=rows,
+            local_steps=local_steps,
         )
         from optaxdist.bench.run import environment
 

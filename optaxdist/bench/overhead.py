@@ -8,6 +8,11 @@ ours / hand-written (target ≤ 1.05). Harnesses:
 ``simulate`` (vmap on one device) and, when at least ``N`` devices exist, ``on_mesh``
 (shard_map over an ``N``-device mesh). The compiled HLO of both is summarised (instruction counts
 per opcode) so a difference can be traced to the ops that cause it.
+
+The suite's second kind of rows (``rows=("local-steps",)``, in ``optaxdist.bench.local_steps``)
+times the local step and the sync step of every periodic-synchronization transform against a plain
+optax step and against the same collective written by hand, with compile times and optimizer-state
+bytes per parameter byte.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -139,6 +144,9 @@ def measure(
     }
 
 
+ROWS = ("abstraction", "local-steps")
+
+
 def run_overhead(
     sizes: Sequence[int],
     *,
@@ -146,16 +154,35 @@ def run_overhead(
     harnesses: Sequence[str] = ("simulate",),
     repeats: int = 7,
     progress: bool = True,
+    rows: Sequence[str] = ("abstraction",),
+    local_steps: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``measure`` every size on every harness; print a table and return the JSON record."""
-    rows = []
-    for harness in harnesses:
-        for n in sizes:
-            if progress:
-                print(f"[overhead] {harness}, {n} params ...", file=sys.stderr, flush=True)
-            rows.append(measure(n, replicas=replicas, harness=harness, repeats=repeats))
-    record = {"suite": "overhead", "replicas": replicas, "results": rows}
-    print(format_overhead(record))
+    """Run the suite's ``rows``, print their tables and return the JSON record.
+
+    ``"abstraction"``: ``measure`` every size on every harness (record ``results``).
+    ``"local-steps"``: ``local_steps.run_local_steps(**local_steps)`` (record ``local_steps``;
+    its ``repeats`` and ``progress`` default to this call's).
+    """
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise ValueError(f"unknown rows {unknown}; allowed: {ROWS}")
+    results = []
+    if "abstraction" in rows:
+        for harness in harnesses:
+            for n in sizes:
+                if progress:
+                    print(f"[overhead] {harness}, {n} params ...", file=sys.stderr, flush=True)
+                results.append(measure(n, replicas=replicas, harness=harness, repeats=repeats))
+    record: dict[str, Any] = {"suite": "overhead", "rows": list(rows), "replicas": replicas}
+    record["results"] = results
+    if results:
+        print(format_overhead(record))
+    if "local-steps" in rows:
+        from optaxdist.bench.local_steps import format_local_steps, run_local_steps
+
+        options = {"repeats": repeats, "progress": progress, **(local_steps or {})}
+        record["local_steps"] = run_local_steps(**options)
+        print(("\n" if results else "") + format_local_steps(record["local_steps"]))
     return record
 
 

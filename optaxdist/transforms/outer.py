@@ -41,8 +41,9 @@ class OuterState(NamedTuple):
 
     Attributes:
       layout: fragments and sharding (static).
-      anchors: per fragment, ``x₀``: the list of its leaves at the fragment's last sync
-        (replicated); sharded, this replica's flat block of ``ceil(P_f / num_shards)`` elements.
+      anchors: per fragment, ``x₀`` at the fragment's last sync (replicated): a tree of the
+        parameters' structure when the fragment is all of them (DiLoCo, SlowMo), else the list of
+        its leaves; sharded, this replica's flat block of ``ceil(P_f / num_shards)`` elements.
       outer_states: per fragment, the outer optimizer's state (replicated; a block when sharded).
       reducer_states: per fragment, a custom reducer's state (e.g. an error-feedback residual, per
         replica); empty without one.
@@ -61,7 +62,7 @@ class OuterState(NamedTuple):
             raise ValueError("in the sharded mode each replica holds one block of the anchors")
         leaves: list[Any] = [None] * sum(len(part) for part in self.layout.fragments)
         for part, anchor in zip(self.layout.fragments, self.anchors):
-            for i, x in zip(part, anchor):
+            for i, x in zip(part, jax.tree.leaves(anchor)):
                 leaves[i] = x
         return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
@@ -211,16 +212,36 @@ def outer_sync(
             out[kind_name("anchor_average", params)] = payload_bytes(params)
         return out
 
+    def fragment(tree, part: tuple[int, ...]):
+        """The fragment's values: the tree itself when the fragment is all of it in order (DiLoCo:
+        tree-structured outer optimizers and reducers, ``optax.masked``, work), else the list of
+        its leaves."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if part == tuple(range(len(leaves))):
+            return tree
+        return [leaves[i] for i in part]
+
+    def checked_layout(x: SyncInput) -> OuterLayout:
+        """The state's layout, which must be the one of these parameters and settings."""
+        layout = x.sync_state.layout
+        if layout != layout_of(x.params):
+            raise ValueError(
+                f"the outer state was made for {layout}, these parameters and settings give "
+                f"{layout_of(x.params)}: initialise it with the same fragments and num_shards"
+            )
+        return layout
+
     def init_sync(params) -> OuterState:
-        check_float_leaves(params, "diloco/slowmo")
-        layout, leaves = layout_of(params), jax.tree.leaves(params)
+        check_float_leaves(params, "outer_sync (diloco, slowmo, streaming_diloco)")
+        layout = layout_of(params)
         anchors = []
         for part in layout.fragments:
-            mine = [leaves[i] for i in part]
+            mine = fragment(params, part)
             if sharded:  # filled from the parameters on the first step, where comm.index() is known
-                anchors.append(jnp.zeros((block_size(mine),), flat_dtype(mine)))
+                leaves = jax.tree.leaves(mine)
+                anchors.append(jnp.zeros((block_size(leaves),), flat_dtype(leaves)))
             else:  # copies, not aliases: callers may donate params and state to the same jitted step
-                anchors.append([jnp.array(x, copy=True) for x in mine])
+                anchors.append(jax.tree.map(lambda x: jnp.array(x, copy=True), mine))
         return OuterState(
             layout=layout,
             anchors=tuple(anchors),
@@ -236,46 +257,36 @@ def outer_sync(
         padded = jnp.pad(flat, (0, block * num_shards - flat.shape[0]))
         return jax.lax.dynamic_slice(padded, (comm.index() * block,), (block,))
 
-    def take_anchors(values):
-        """``begin``: the anchors from ``values`` (leaves), this replica's blocks when sharded."""
-
-        def take(x: SyncInput) -> list:
-            state: OuterState = x.sync_state
-            leaves = values(x)
-            new = []
-            for part in state.layout.fragments:
-                mine = [leaves[i] for i in part]
-                new.append(my_block(mine) if sharded else [jnp.array(v, copy=True) for v in mine])
-            return x._replace(sync_state=state._replace(anchors=tuple(new)))
-
-        return take
-
     def begin(x: SyncInput) -> SyncInput:
+        """The anchors, when the local steps start: the parameters (this replica's blocks when
+        sharded), or with ``anchor_after_first_step`` the replicas' mean after the first step."""
+        values = x.params
         if anchor_after_first_step:  # fairscale's quirk, made consistent: the replicas' mean
-            mean = comm.pmean(x.local)
+            values = comm.pmean(x.local)
             x = x._replace(ledger=x.ledger.record(kind_name("anchor_average", x.params)))
-            return take_anchors(lambda _: jax.tree.leaves(mean))(x)
-        return take_anchors(lambda x: jax.tree.leaves(x.params))(x)
+        anchors = []
+        for part in checked_layout(x).fragments:
+            mine = fragment(values, part)
+            anchors.append(my_block(jax.tree.leaves(mine)) if sharded else mine)
+        return x._replace(sync_state=x.sync_state._replace(anchors=tuple(anchors)))
 
     def sync(f: int):
         def branch(x: SyncInput) -> SyncInput:
             state: OuterState = x.sync_state
-            part = state.layout.fragments[f]
-            local = [jax.tree.leaves(x.local)[i] for i in part]
+            layout = checked_layout(x)
+            local = fragment(x.local, layout.fragments[f])
             anchor, ledger = state.anchors[f], x.ledger
             reducer_states = list(state.reducer_states)
             if sharded:
-                size = sum(v.size for v in local)
-                flat = _flat(local).astype(anchor.dtype)
-                padded = jnp.pad(flat, (0, anchor.shape[0] * num_shards - size))
+                flat = _flat(jax.tree.leaves(local)).astype(anchor.dtype)
+                padded = jnp.pad(flat, (0, anchor.shape[0] * num_shards - flat.shape[0]))
                 delta = anchor - comm.psum_scatter(padded) / jnp.asarray(num_shards, padded.dtype)
-                kind = _sharded_kind("reduce_scatter", state.layout.fragments, f, anchor.dtype)
-                ledger = ledger.record(kind)
+                ledger = ledger.record(_sharded_kind("reduce_scatter", layout.fragments, f, anchor.dtype))
             else:
-                pseudo = [a - v for a, v in zip(anchor, local)]
+                pseudo = jax.tree.map(lambda a, v: a - v, anchor, local)
                 if reducer is None:
                     delta = comm.pmean(pseudo, dtype=wire)
-                    ledger = ledger.record(f"all_reduce[{_label(state.layout.fragments, f, local, wire)}]")
+                    ledger = ledger.record(f"all_reduce[{_label(layout.fragments, f, local, wire)}]")
                 else:
                     delta, reducer_states[f] = reducer.update(pseudo, reducer_states[f], anchor)
             outer_states = list(state.outer_states)
@@ -297,13 +308,13 @@ def outer_sync(
 
         def branch(x: SyncInput) -> SyncInput:
             state: OuterState = x.sync_state
-            part = state.layout.fragments[f]
+            part = checked_layout(x).fragments[f]
             values, treedef = jax.tree.flatten(x.local)
-            anchor, ledger = state.anchors[f], x.ledger
+            anchor, ledger = jax.tree.leaves(state.anchors[f]), x.ledger
             if sharded:
-                anchor = _unflat(comm.all_gather(anchor).reshape(-1), [values[i] for i in part])
-                kind = _sharded_kind("all_gather", state.layout.fragments, f, state.anchors[f].dtype)
-                ledger = ledger.record(kind)
+                block = state.anchors[f]
+                anchor = _unflat(comm.all_gather(block).reshape(-1), [values[i] for i in part])
+                ledger = ledger.record(_sharded_kind("all_gather", state.layout.fragments, f, block.dtype))
             for i, a in zip(part, anchor):
                 values[i] = a if blend == 0 else (blend * values[i] + (1 - blend) * a).astype(values[i].dtype)
             return x._replace(local=jax.tree.unflatten(treedef, values), ledger=ledger)
@@ -319,13 +330,13 @@ def outer_sync(
             index = jnp.where((index == 0) & merging, 1 + num_fragments + merge_phase // stride, index)
         return index
 
-    fragment_range = range(num_fragments)
+    fragment_indices = range(num_fragments)
     return periodic(
         inner,
         comm=comm,
-        name="diloco/slowmo",
+        name="outer_sync (diloco, slowmo, streaming_diloco)",
         schedule=schedule,
-        syncs=[sync(f) for f in fragment_range] + ([merge(f) for f in fragment_range] if delay else []),
+        syncs=[sync(f) for f in fragment_indices] + ([merge(f) for f in fragment_indices] if delay else []),
         kinds=kinds,
         init_sync=init_sync,
         begin=begin if (sharded or anchor_after_first_step or warmup_steps) else None,
@@ -373,7 +384,7 @@ def diloco(
     one all-reduce of every parameter element (ledger ``all_reduce[...]``), i.e. ``P/H`` per step;
     with ``reducer=compressed_allreduce(...)`` whatever that compressor sends, with error feedback
     kept per replica. With ``num_shards``: one reduce-scatter of ``P`` and one all-gather of
-    ``P/W`` per sync. Nothing on other steps (``lax.cond`` on the replicated step counter).
+    ``P/W`` per sync. Nothing on other steps (a branch of ``lax.switch`` on the replicated step).
 
     Args:
       inner: the local optimizer (DiLoCo: AdamW).
@@ -453,6 +464,7 @@ def slowmo(
     memory_efficient: bool = False,
     anchor_after_first_step: bool = False,
     num_shards: int | None = None,
+    warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
@@ -483,6 +495,8 @@ def slowmo(
         first slow step then covers τ−1 steps), as the replicas' mean (fairscale: each process's
         own). Default: the parameters before training.
       num_shards: the group size, required with ``memory_efficient`` (static).
+      warmup_steps: synchronous steps (gradients all-reduced) before the local steps; the anchor
+        is taken when they end.
       check_start: raise on the first step if the replicas' parameters differ.
       nonfinite: a local step whose update is not finite is skipped on this replica only
         (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
@@ -509,6 +523,7 @@ def slowmo(
         period=period,
         num_shards=num_shards,
         anchor_after_first_step=anchor_after_first_step,
+        warmup_steps=warmup_steps,
         check_start=check_start,
         nonfinite=nonfinite,
     )

@@ -80,6 +80,7 @@ def partial_average(
     comm: Communicator,
     partitions: Partition | Any = singa_partitions,
     dtype: Any = None,
+    warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
@@ -103,6 +104,8 @@ def partial_average(
         function of the parameters returning one (default ``singa_partitions``, SINGA's packing
         by 2,097,152 elements in backward order).
       dtype: wire dtype of the averages (None: the parameters' dtype).
+      warmup_steps: synchronous steps (gradients all-reduced, nothing else) before the round-robin
+        starts with partition 0.
       check_start: raise on the first step if the replicas' parameters differ (compares a
         fingerprint: 4 bytes per leaf).
       nonfinite: a local step whose update is not finite is skipped on this replica only
@@ -147,6 +150,8 @@ def partial_average(
             average(part, k) for k, part in enumerate(resolve_partition(partitions, params))
         ],
         kinds=kinds,
+        warmup_steps=warmup_steps,
+        dtype=dtype,
         check_start=check_start,
         nonfinite=nonfinite,
     )

@@ -66,7 +66,8 @@ class SyncInput(NamedTuple):
     """What a synchronization sees, and (with ``local`` replaced) what it returns.
 
     Attributes:
-      step: this update's step counted from the end of the warm-up (replicated int32).
+      step: this update's 0-based index, warm-up included (replicated int32; the inner optimizer's
+        step, which outer optimizers receive as ``inner_step``).
       params: the parameters before this update.
       local: the parameters after this replica's local step; a synchronization replaces them by
         the parameters every replica continues from.
@@ -129,10 +130,12 @@ def periodic(
         record. The warm-up's and the start check's kinds are added here.
       init_sync: ``params → sync_state``.
       begin: run once, on the first step after the warm-up, after the local step and before that
-        step's synchronization (e.g. taking the anchors from the parameters).
+        step's synchronization (e.g. taking the anchors from the parameters). It may change the
+        synchronizations' state and the ledger, not ``local``.
       warmup_steps: updates whose gradients are all-reduced (over ``comm``, in ``dtype``) before
         the local step, with no synchronization: replicas stay identical (post-local SGD).
-      dtype: wire dtype of the warm-up's all-reduce (None: the gradients' dtype).
+      dtype: wire dtype of the warm-up's all-reduce (None: the gradients' own dtype; the ledger
+        counts the parameters' bytes in it).
       check_start: on the first update, raise ``ValueError`` on every replica if their parameters
         differ (fingerprints compared: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``).
       nonfinite: ``"skip"`` (a local step whose update is not finite is not taken on this replica:
@@ -173,54 +176,44 @@ def periodic(
         s = t - warmup_steps
         ledger = check_identical_start(check_start, params, t, state.ledger, comm)
 
-        def local(grads, inner_state, sync_state, ledger) -> SyncInput:
+        def local(operand, then: Sync | None = None, *, moves_params: bool = True):
+            """The local step, then ``then`` (a synchronization, or ``begin`` followed by one).
+            Without one, or when it leaves the parameters alone, the update is the local step's."""
+            grads, inner_state, sync_state, ledger = operand
             u, inner_state = local_step(inner, grads, inner_state, params, nonfinite=nonfinite, **extra)
-            local_params = optax.apply_updates(params, u)
-            return SyncInput(s, params, local_params, inner_state, sync_state, ledger), u
-
-        def outputs(x: SyncInput, u=None):
-            """The branch's outputs: ``u`` is the local step's update when no synchronization ran."""
-            if u is None:
-                u = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), x.local, params)
-            return per_replica((u, x.inner_state, x.sync_state, x.ledger), comm)
-
-        def local_only(operand):
-            return outputs(*local(*operand))
-
-        def synchronized(sync: Sync):
-            return lambda operand: outputs(sync(local(*operand)[0]))
+            if then is not None:
+                x = then(
+                    SyncInput(t, params, optax.apply_updates(params, u), inner_state, sync_state, ledger)
+                )
+                inner_state, sync_state, ledger = x.inner_state, x.sync_state, x.ledger
+                if moves_params:
+                    u = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), x.local, params)
+            return per_replica((u, inner_state, sync_state, ledger), comm)
 
         def warm_up(operand):
             grads, inner_state, sync_state, ledger = operand
             grads = comm.pmean(grads, dtype=wire)
             ledger = ledger.record(kind_name("all_reduce", params, wire))
-            return local_only((grads, inner_state, sync_state, ledger))
+            return local((grads, inner_state, sync_state, ledger))
 
-        regular = [local_only, *(synchronized(f) for f in bodies)]
-        index = schedule(s, len(bodies))
-        branches = list(regular)
+        # one switch: [local step, syncs..., warm-up, begin then (nothing, syncs...)]
+        scheduled = schedule(s, len(bodies))
+        branches = [local, *(lambda op, f=f: local(op, f) for f in bodies)]
+        index = scheduled
         if warmup_steps:
             branches.append(warm_up)
             index = jnp.where(t < warmup_steps, len(branches) - 1, index)
         if begin is not None:
-
-            def first(operand):
-                x, u = local(*operand)
-                x = begin(x)
-                return jax.lax.switch(
-                    schedule(s, len(bodies)),
-                    [lambda x: outputs(x, u)] + [lambda x, f=f: outputs(f(x)) for f in bodies],
-                    x,
-                )
-
-            branches.append(first)
-            index = jnp.where(t == warmup_steps, len(branches) - 1, index)
+            first = len(branches)
+            branches.append(lambda op: local(op, begin, moves_params=False))
+            branches += [lambda op, f=f: local(op, lambda x: f(begin(x))) for f in bodies]
+            index = jnp.where(t == warmup_steps, first + scheduled, index)
         out, inner_state, sync_state, ledger = jax.lax.switch(
             index, branches, (updates, state.inner_state, state.sync_state, ledger)
         )
         return out, PeriodicState(
             step=optax.safe_increment(t),
-            last_sync=jnp.where(t < warmup_steps, 0, schedule(s, len(bodies))).astype(jnp.int32),
+            last_sync=jnp.where(t < warmup_steps, 0, scheduled).astype(jnp.int32),
             inner_state=inner_state,
             sync_state=sync_state,
             ledger=ledger,

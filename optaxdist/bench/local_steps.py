@@ -1,0 +1,650 @@
+"""Cost of the local step and of the sync step of every periodic-synchronization transform.
+
+Part of ``optaxdist bench --suite overhead`` (``--rows local-steps``). No model: every replica
+holds precomputed random gradients for a flat params pytree of four square float32 matrices, and
+one step is ``tx.update`` + ``optax.apply_updates``. The inner optimizer is always
+``optax.sgd(0.01, momentum=0.9)``; every transform runs with its defaults (``check_start=True``,
+non-finite updates skipped; ``VARIANTS`` turns either off, to attribute the cost) and a period of
+``PERIOD`` steps (gossip: a global average every ``PERIOD`` steps on a ring; DASO: 4 or 8 replicas
+per node, a blocking global sync every ``PERIOD`` batches, timed with no node gradient average).
+
+For each transform, one harness (``simulate``: vmap on one device, or ``mesh``: shard_map over one
+device per replica) and one number of replicas, the row reports:
+
+* **local step**: the jitted step called with a state whose step counter sits at a non-sync
+  position (the counter fields are set with ``_replace``), against the **plain** step (the same
+  inner optimizer, no communication) — target ratio ≤ 1.10 on a mesh, ≤ 1.2 under ``simulate``.
+  Gossip transforms (``decentralized_sgd``, ``sgp``) gossip every step: their local step is the
+  gossip step, also compared with plain + the same ring exchange written with ``lax.ppermute``.
+* **sync step**: the same jitted step with the counter at a sync position, against plain + the
+  same collective written by hand (``lax.pmean`` of the new parameters; for Streaming DiLoCo of
+  the syncing fragment; for DASO's blocking sync a ``bfloat16`` ``psum`` over the nodes and a
+  broadcast within the node) — target ratio ≤ 1.1.
+* **compile**: seconds of ``.lower(...).compile()`` of the transform's step.
+* **state bytes per parameter byte**: the optimizer state's array bytes per replica over the
+  parameter bytes per replica (counters and ledgers included; ``fixed_state_bytes`` are the
+  scalar and integer leaves, so ``(state − fixed) / params`` is an exact multiple of the
+  parameter-sized buffers). A separate table lists it for the non-periodic transforms too.
+
+Timings: the inputs are placed on the mesh first (a timed call moves nothing), each function is
+compiled and called once untimed, then the functions of a row are called ``repeats`` times in turn
+(interleaved, ``block_until_ready`` after each call); medians are reported (every sample is kept
+in the JSON record, with the opcodes the transform's program has beyond the hand-written sync).
+Before timing, the ledgers confirm that the "local" state sends nothing and the "sync" state does.
+The plain and hand-written steps are compiled once per harness and shared by its rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optaxdist
+from optaxdist.bench.overhead import _time, hlo_summary, make_params
+
+PERIOD = 30
+LOCAL_T = 5  # a step counter value at a non-sync position of every schedule below
+SYNC_T = PERIOD - 1  # (t + 1) % PERIOD == 0: a sync position
+LR = 0.01
+FRAGMENTS = 2
+TRANSFORMS = (
+    "local_sgd",
+    "diloco",
+    "slowmo",
+    "streaming_diloco",
+    "decentralized_sgd",
+    "sgp",
+    "daso",
+)
+STATE_ONLY = ("allreduce", "powersgd_r4", "topk_1pct_ef")  # state-bytes table only
+HARNESSES = ("simulate", "mesh")
+# Keyword arguments of the transforms per variant: "default" is what the issue's targets are
+# about; the others attribute the cost of the start check and of the non-finite guard.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "no-start-check": {"check_start": False},
+    "nonfinite-ignore": {"nonfinite": "ignore"},
+    "bare": {"check_start": False, "nonfinite": "ignore"},
+}
+FLAT = (optaxdist.REPLICA_AXIS,)
+NODE, LOCAL = "node", "local"
+
+Step = Callable[..., Any]
+Params = dict[str, jax.Array]
+
+
+def inner() -> optax.GradientTransformation:
+    """The inner (local) optimizer of every row, and the plain step's optimizer."""
+    return optax.sgd(LR, momentum=0.9)
+
+
+def default_params(replicas: int) -> int:
+    """The issue's sizes: 100k parameters per replica up to 64 replicas, 10k above."""
+    return 100_000 if replicas <= 64 else 10_000
+
+
+def hierarchy_shape(replicas: int) -> tuple[int, int]:
+    """``(nodes, local_size)`` for DASO: 4 replicas per node up to 8 replicas, 8 above."""
+    local = 4 if replicas <= 8 else 8
+    if replicas % local:
+        local = 1
+    return replicas // local, local
+
+
+# ---------------------------------------------------------------------------------------------
+# harnesses
+
+
+@dataclasses.dataclass(frozen=True)
+class Harness:
+    """Where the per-replica step runs: ``simulate`` (vmap) or ``mesh`` (shard_map), flat
+    (``("replica",)``) or two-level (``("node", "local")``) axes."""
+
+    name: str
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    mesh: Any = None
+
+    @property
+    def replicas(self) -> int:
+        return math.prod(self.shape)
+
+    def wrap(self, step: Step) -> Step:
+        """The jitted function of stacked arguments."""
+        if self.name == "simulate":
+            if len(self.axes) == 1:
+                return optaxdist.simulate(step, axis_name=self.axes[0])
+            return optaxdist.simulate(step, axis_name=self.axes, shape=self.shape)
+        return optaxdist.on_mesh(step, self.mesh)
+
+    def place(self, tree: Any) -> Any:
+        """Stacked arrays split over the mesh (so that a timed call moves nothing first)."""
+        if self.mesh is None:
+            return tree
+        return jax.device_put(tree, NamedSharding(self.mesh, P(self.axes)))
+
+
+def make_harness(name: str, replicas: int, *, hierarchical: bool) -> Harness:
+    """A harness of ``replicas`` replicas; raises ``RuntimeError`` for a mesh without the devices."""
+    if name not in HARNESSES:
+        raise ValueError(f"harness={name!r}; allowed: {HARNESSES}")
+    axes, shape = ((NODE, LOCAL), hierarchy_shape(replicas)) if hierarchical else (FLAT, (replicas,))
+    if name == "simulate":
+        return Harness(name, axes, shape)
+    devices = jax.devices()
+    if len(devices) < replicas:
+        raise RuntimeError(f"the mesh harness needs {replicas} devices, have {len(devices)}")
+    if hierarchical:
+        mesh = optaxdist.mesh_hierarchy(*shape, devices=devices[:replicas]).mesh
+    else:
+        mesh = jax.make_mesh(shape, axes, devices=devices[:replicas])
+    return Harness(name, axes, shape, mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# the transforms, where their schedules sync, and the same collectives written by hand
+
+
+def _ring_mix(params: Params) -> Params:
+    """One undirected-ring gossip round with weights 1/3, by hand (``lax.ppermute``)."""
+    n = jax.lax.axis_size(optaxdist.REPLICA_AXIS)
+    right = [(i, (i + 1) % n) for i in range(n)]
+    left = [(i, (i - 1) % n) for i in range(n)]
+    third = jnp.float32(1 / 3)
+
+    def one(x):
+        ax = optaxdist.REPLICA_AXIS
+        return x * third + jax.lax.ppermute(x, ax, right) * third + jax.lax.ppermute(x, ax, left) * third
+
+    return jax.tree.map(one, params)
+
+
+def _pmean(params: Params) -> Params:
+    return jax.lax.pmean(params, optaxdist.REPLICA_AXIS)
+
+
+def _pmean_fragment(params: Params) -> Params:
+    """The all-reduce of Streaming DiLoCo's fragment 0 (the one syncing at ``SYNC_T``)."""
+    leaves, treedef = jax.tree.flatten(params)
+    first = optaxdist.balanced_fragments(params, FRAGMENTS)[0]
+    mean = jax.lax.pmean([leaves[i] for i in first], optaxdist.REPLICA_AXIS)
+    for i, m in zip(first, mean, strict=True):
+        leaves[i] = m
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _daso_blocking_sync(params: Params) -> Params:
+    """DASO's blocking global sync, by hand: a bf16 sum over the nodes divided by their number,
+    then a broadcast within the node from local index 0 (a masked ``psum``)."""
+    nodes = jax.lax.axis_size(NODE)
+
+    def one(x):
+        total = jax.lax.psum(x.astype(jnp.bfloat16), NODE)
+        avg = (total / jnp.asarray(nodes, jnp.bfloat16)).astype(x.dtype)
+        root = jax.lax.axis_index(LOCAL) == 0
+        return jax.lax.psum(jnp.where(root, avg, jnp.zeros_like(avg)), LOCAL)
+
+    return jax.tree.map(one, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One transform: how to build it, the state fields that put its schedule on a local and on a
+    sync step, and the collective its sync (and, for gossip, its local step) performs."""
+
+    name: str
+    build: Callable[..., optax.GradientTransformationExtraArgs]  # (replicas, **options)
+    local_at: Mapping[str, int | bool]
+    sync_at: Mapping[str, int | bool]
+    hand_sync: Callable[[Params], Params]
+    hand_local: Callable[[Params], Params] | None = None
+    hierarchical: bool = False
+    settings: str = ""
+    options: tuple[str, ...] = ("check_start", "nonfinite")  # the VARIANTS options it takes
+
+    def variant_options(self, variant: str) -> dict[str, Any]:
+        """The keyword arguments of ``variant`` that this transform accepts."""
+        return {k: v for k, v in VARIANTS[variant].items() if k in self.options}
+
+
+def _flat_comm() -> optaxdist.AxisComm:
+    return optaxdist.AxisComm(optaxdist.REPLICA_AXIS)
+
+
+# DASO's schedule in the rows: no warm-up or cool-down epochs, a blocking global sync every PERIOD
+# batches (and the node gradient average every PERIOD batches: the timed states turn it off).
+DASO_SETTINGS = {
+    "steps_per_epoch": 1000,
+    "total_epochs": 10,
+    "warmup_epochs": 0,
+    "cooldown_epochs": 0,
+    "first_cycle": (PERIOD, PERIOD, 0),
+}
+
+
+def _daso(replicas: int, **options: Any) -> optax.GradientTransformationExtraArgs:
+    h = optaxdist.axis_hierarchy(*hierarchy_shape(replicas))
+    return optaxdist.daso(inner(), local_comm=h.local, global_comm=h.cross, **DASO_SETTINGS, **options)
+
+
+def _gossip_case(name: str, factory: Callable[..., optax.GradientTransformationExtraArgs]) -> Case:
+    """D-PSGD or SGP on a ring with an exact average every PERIOD steps; the local step gossips."""
+
+    def build(n: int, **options: Any) -> optax.GradientTransformationExtraArgs:
+        ring = optaxdist.topology.ring(n)
+        return factory(inner(), comm=_flat_comm(), topology=ring, global_every=PERIOD, **options)
+
+    return Case(
+        name,
+        build,
+        {"gossip_step": LOCAL_T},
+        {"gossip_step": SYNC_T},
+        _pmean,
+        hand_local=_ring_mix,
+        settings=f"ring, global_every={PERIOD}",
+    )
+
+
+def cases() -> dict[str, Case]:
+    """The periodic-synchronization transforms, in ``TRANSFORMS`` order."""
+    comm = _flat_comm
+    out = [
+        Case(
+            "local_sgd",
+            lambda n, **o: optaxdist.local_sgd(inner(), comm=comm(), period=PERIOD, **o),
+            {"local_step": LOCAL_T},
+            {"local_step": SYNC_T},
+            _pmean,
+            settings=f"period={PERIOD}",
+        ),
+        Case(
+            "diloco",
+            lambda n, **o: optaxdist.diloco(inner(), comm=comm(), period=PERIOD, **o),
+            {"outer_step": LOCAL_T},
+            {"outer_step": SYNC_T},
+            _pmean,
+            settings=f"period={PERIOD}, outer Nesterov 0.7/0.9",
+        ),
+        Case(
+            "slowmo",
+            lambda n, **o: optaxdist.slowmo(inner(), comm=comm(), period=PERIOD, learning_rate=LR, **o),
+            {"outer_step": LOCAL_T},
+            {"outer_step": SYNC_T},
+            _pmean,
+            settings=f"period={PERIOD}",
+        ),
+        Case(
+            "streaming_diloco",
+            lambda n, **o: optaxdist.streaming_diloco(
+                inner(), comm=comm(), period=PERIOD, num_fragments=FRAGMENTS, **o
+            ),
+            {"stream_step": LOCAL_T},
+            {"stream_step": SYNC_T},
+            _pmean_fragment,
+            settings=f"period={PERIOD}, {FRAGMENTS} fragments (sync: fragment 0)",
+        ),
+        _gossip_case("decentralized_sgd", optaxdist.decentralized_sgd),
+        _gossip_case("sgp", optaxdist.sgp),
+        Case(
+            "daso",
+            _daso,
+            {"batch_in_epoch": LOCAL_T, "local_sync_next": False},
+            {"batch_in_epoch": PERIOD, "local_sync_next": False},
+            _daso_blocking_sync,
+            hierarchical=True,
+            settings=f"blocking global sync every {PERIOD} batches, no node gradient average",
+            options=("nonfinite",),  # daso has no start check
+        ),
+    ]
+    return {c.name: c for c in out}
+
+
+def state_only_transforms() -> dict[str, Callable[[], optax.GradientTransformation]]:
+    """Gradient-averaging transforms chained before the inner optimizer (state-bytes table)."""
+    c = _flat_comm
+    return {
+        "allreduce": lambda: optax.chain(optaxdist.allreduce(comm=c()), inner()),
+        "powersgd_r4": lambda: optax.chain(optaxdist.powersgd(comm=c(), rank=4), inner()),
+        "topk_1pct_ef": lambda: optax.chain(
+            optaxdist.compressed_allreduce(optaxdist.compress.top_k(fraction=0.01), comm=c()), inner()
+        ),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+
+
+def _step(tx: optax.GradientTransformation) -> Step:
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def _then(step: Step, collective: Callable[[Params], Params]) -> Step:
+    """``step`` followed by ``collective`` on the new parameters (the hand-written reference)."""
+
+    def run(params, state, grads):
+        params, state = step(params, state, grads)
+        return collective(params), state
+
+    return run
+
+
+@functools.cache
+def reference_step(harness: Harness, collective: Callable[[Params], Params] | None) -> Step:
+    """The plain optax step (``collective=None``) or plain + a hand-written collective, jitted
+    once per harness: every row of a harness times the same executables."""
+    step = _step(inner())
+    return harness.wrap(step if collective is None else _then(step, collective))
+
+
+def _at(state: Any, fields: Mapping[str, int | bool]) -> Any:
+    """``state`` (stacked over replicas) with its schedule fields set on every replica."""
+    return state._replace(**{k: jnp.full_like(getattr(state, k), v) for k, v in fields.items()})
+
+
+def state_bytes(state: Any, replicas: int) -> tuple[int, int]:
+    """``(all bytes, fixed bytes)`` of one replica's share of a stacked state (or its shapes);
+    fixed: scalar and non-floating leaves (counters, ledgers, flags)."""
+    total = fixed = 0
+    for x in jax.tree.leaves(state):
+        nbytes = int(x.size) * jnp.dtype(x.dtype).itemsize // replicas
+        total += nbytes
+        if len(x.shape) <= 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+            fixed += nbytes
+    return total, fixed
+
+
+def _state_entry(name: str, state: Any, replicas: int, param_bytes: int) -> dict[str, Any]:
+    total, fixed = state_bytes(state, replicas)
+    return {
+        "transform": name,
+        "state_bytes": total,
+        "fixed_state_bytes": fixed,
+        "param_bytes": param_bytes,
+        "state_bytes_per_param_byte": total / param_bytes,
+        "buffer_bytes_per_param_byte": (total - fixed) / param_bytes,
+    }
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Stacked params and per-replica gradients of one size on one harness."""
+
+    params: Params
+    grads: Params
+    parameters: int
+    param_bytes: int  # per replica
+
+
+def make_inputs(n_params: int, replicas: int, seed: int = 0) -> Inputs:
+    params = optaxdist.replicate(make_params(n_params), replicas)
+    keys = jax.random.split(jax.random.key(seed), len(params))
+    grads = {
+        k: jax.random.normal(kk, v.shape, v.dtype) for (k, v), kk in zip(params.items(), keys, strict=True)
+    }
+    parameters = sum(int(x[0].size) for x in jax.tree.leaves(params))
+    return Inputs(params, grads, parameters, 4 * parameters)
+
+
+def _hlo_extra(ours: Any, hand: Any) -> dict[str, Any]:
+    """Instruction counts of two compiled programs and the opcodes ``ours`` has in excess."""
+    h_ours, h_hand = hlo_summary(ours), hlo_summary(hand)
+    ops = set(h_ours["opcodes"]) | set(h_hand["opcodes"])
+    extra = {k: h_ours["opcodes"].get(k, 0) - h_hand["opcodes"].get(k, 0) for k in sorted(ops)}
+    return {
+        "ours_instructions": h_ours["instructions"],
+        "hand_sync_instructions": h_hand["instructions"],
+        "extra_in_ours": {k: v for k, v in extra.items() if v},
+    }
+
+
+def _timings(samples: Mapping[str, list[float]]) -> dict[str, float]:
+    """Medians (ms) and the ratios the issue's targets are about."""
+    ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    hand_local = ms.get("hand_local", ms["plain"])
+    return {
+        "local_ms": ms["local"],
+        "plain_ms": ms["plain"],
+        "local_ratio": ms["local"] / ms["plain"],
+        "hand_local_ms": hand_local,
+        "local_hand_ratio": ms["local"] / hand_local,
+        "sync_ms": ms["sync"],
+        "hand_sync_ms": ms["hand_sync"],
+        "sync_ratio": ms["sync"] / ms["hand_sync"],
+    }
+
+
+def measure_case(
+    case: Case, harness: Harness, inputs: Inputs, *, repeats: int, variant: str = "default"
+) -> dict[str, Any]:
+    """One row: local and sync step of ``case`` against plain and hand-written steps."""
+    options = case.variant_options(variant)
+    tx, plain_tx = case.build(harness.replicas, **options), inner()
+    ours, plain = harness.wrap(_step(tx)), reference_step(harness, None)
+    hands = {"hand_sync": reference_step(harness, case.hand_sync)}
+    if case.hand_local is not None:
+        hands["hand_local"] = reference_step(harness, case.hand_local)
+    state = harness.wrap(tx.init)(inputs.params)
+    total, fixed = state_bytes(state, harness.replicas)
+
+    params, grads = harness.place(inputs.params), harness.place(inputs.grads)
+    local_state = harness.place(_at(state, case.local_at))
+    sync_state = harness.place(_at(state, case.sync_at))
+    plain_state = harness.place(harness.wrap(plain_tx.init)(inputs.params))
+
+    t0 = time.perf_counter()
+    compiled = ours.lower(params, local_state, grads).compile()
+    compile_s = time.perf_counter() - t0
+    _check_schedule(case, ours, params, local_state, sync_state, grads)
+    calls = {
+        "local": lambda: ours(params, local_state, grads),
+        "plain": lambda: plain(params, plain_state, grads),
+        "sync": lambda: ours(params, sync_state, grads),
+        **{k: (lambda f=f: f(params, plain_state, grads)) for k, f in hands.items()},
+    }
+    samples = dict(zip(calls, _time(list(calls.values()), repeats), strict=True))
+    hand_compiled = hands["hand_sync"].lower(params, plain_state, grads).compile()
+    plain_compiled = plain.lower(params, plain_state, grads).compile()
+    return {
+        "transform": case.name,
+        "variant": variant,
+        "options": options,
+        "settings": case.settings,
+        "harness": harness.name,
+        "replicas": harness.replicas,
+        "axes": list(harness.axes),
+        "shape": list(harness.shape),
+        "parameters": inputs.parameters,
+        "repeats": repeats,
+        **_timings(samples),
+        "compile_s": compile_s,
+        "state_bytes": total,
+        "fixed_state_bytes": fixed,
+        "param_bytes": inputs.param_bytes,
+        "state_bytes_per_param_byte": total / inputs.param_bytes,
+        "buffer_bytes_per_param_byte": (total - fixed) / inputs.param_bytes,
+        "temp_bytes": _temp_bytes(compiled),
+        "plain_temp_bytes": _temp_bytes(plain_compiled),
+        "peak_bytes_in_use": peak_bytes_in_use(),
+        "samples_s": samples,
+        "hlo": _hlo_extra(compiled, hand_compiled),
+    }
+
+
+def _temp_bytes(compiled: Any) -> int | None:
+    """Scratch memory of a compiled program (XLA's memory analysis), where the backend reports it."""
+    try:
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 (not every backend or version has it)
+        return None
+
+
+def peak_bytes_in_use() -> int | None:
+    """The device's peak memory so far (``memory_stats()["peak_bytes_in_use"]``: GPU/TPU; None on
+    the CPU, which keeps no such statistics). Cumulative over the process: a row's value covers it
+    and every row before it."""
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return int(peak) if peak is not None else None
+
+
+def _check_schedule(case: Case, step: Step, params, local_state, sync_state, grads) -> None:
+    """The two states are where they claim to be: the ledgers' event counts grow on the sync
+    step and not on the local step (gossip: the global-average kind only)."""
+
+    def sync_events(state) -> int:
+        by_kind = optaxdist.comm_stats(state).by_kind
+        return sum(t.collectives for k, t in by_kind.items() if case.hand_local is None or "global" in k)
+
+    before = sync_events(local_state)
+    if sync_events(step(params, local_state, grads)[1]) != before:
+        raise AssertionError(f"{case.name}: the 'local' step at {dict(case.local_at)} communicated")
+    if sync_events(step(params, sync_state, grads)[1]) == sync_events(sync_state):
+        raise AssertionError(f"{case.name}: the 'sync' step at {dict(case.sync_at)} sent nothing")
+
+
+def measure_state_bytes(n_params: int, replicas: int = 8) -> list[dict[str, Any]]:
+    """State bytes per parameter byte of every transform (shapes only: nothing is computed)."""
+    inputs = make_inputs(n_params, replicas)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs.params)
+    rows = []
+    for case in cases().values():
+        harness = make_harness("simulate", replicas, hierarchical=case.hierarchical)
+        state = jax.eval_shape(harness.wrap(case.build(replicas).init), abstract)
+        rows.append(_state_entry(case.name, state, replicas, inputs.param_bytes))
+    flat = make_harness("simulate", replicas, hierarchical=False)
+    for name, build in state_only_transforms().items():
+        state = jax.eval_shape(flat.wrap(build().init), abstract)
+        rows.append(_state_entry(name, state, replicas, inputs.param_bytes))
+    for row in rows:
+        row["parameters"] = inputs.parameters
+    return rows
+
+
+def run_local_steps(
+    *,
+    replica_counts: Sequence[int] = (8,),
+    harnesses: Sequence[str] = ("simulate",),
+    transforms: Sequence[str] = TRANSFORMS,
+    variants: Sequence[str] = ("default",),
+    n_params: int | None = None,
+    repeats: int = 11,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Every transform × harness × replica count; mesh rows only where the devices exist.
+
+    Each transform runs in every ``VARIANTS`` entry of ``variants`` that changes one of its
+    options (a variant equal to one already run for that transform is left out).
+
+    Returns the ``local_steps`` part of the overhead record (``results``: timing rows,
+    ``state_bytes``: the state table per parameter count, ``skipped``: rows that could not run).
+    """
+    unknown = [t for t in transforms if t not in TRANSFORMS] + [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(
+            f"unknown transforms or variants {unknown}; allowed: {TRANSFORMS}, {tuple(VARIANTS)}"
+        )
+    table = cases()
+    rows, skipped, sizes = [], [], {}
+    for replicas in replica_counts:
+        size = n_params or default_params(replicas)
+        inputs = make_inputs(size, replicas)
+        sizes[inputs.parameters] = size
+        for harness_name in harnesses:
+            if harness_name == "mesh" and len(jax.devices()) < replicas:
+                skipped.append(f"mesh × {replicas}: {len(jax.devices())} devices")
+                if progress:
+                    print(
+                        f"[local-steps] skip mesh × {replicas} ({len(jax.devices())} devices)",
+                        file=sys.stderr,
+                    )
+                continue
+            for name in transforms:
+                case = table[name]
+                harness = make_harness(harness_name, replicas, hierarchical=case.hierarchical)
+                for variant in _distinct_variants(case, variants):
+                    if progress:
+                        print(
+                            f"[local-steps] {name} [{variant}], {harness_name} × {replicas}, "
+                            f"{inputs.parameters} params ...",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                    rows.append(measure_case(case, harness, inputs, repeats=repeats, variant=variant))
+    state_table = [row for size in sizes.values() for row in measure_state_bytes(size)]
+    return {
+        "period": PERIOD,
+        "platform": jax.default_backend(),
+        "device": jax.devices()[0].device_kind,
+        "peak_bytes_in_use": peak_bytes_in_use(),
+        "inner": f"optax.sgd({LR}, momentum=0.9)",
+        "local_step_counter": LOCAL_T,
+        "sync_step_counter": {"default": SYNC_T, "daso": PERIOD},
+        "results": rows,
+        "state_bytes": state_table,
+        "skipped": skipped,
+    }
+
+
+def _distinct_variants(case: Case, variants: Sequence[str]) -> list[str]:
+    """``variants`` without those that give ``case`` the same options as an earlier one."""
+    seen, out = [], []
+    for v in variants:
+        options = case.variant_options(v)
+        if options not in seen:
+            seen.append(options)
+            out.append(v)
+    return out
+
+
+def _mb(nbytes: int | None) -> str:
+    return "–" if nbytes is None else f"{nbytes / 2**20:.1f}"
+
+
+def format_local_steps(section: Mapping[str, Any]) -> str:
+    """Markdown tables: the timing rows, then state bytes per parameter byte."""
+    out = [
+        "| transform | harness | replicas | parameters | local ms | plain ms | local / plain | "
+        "hand local ms | local / hand | sync ms | hand sync ms | sync / hand | compile s | "
+        "state B / param B | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in section["results"]:
+        shape = "×".join(map(str, r["shape"]))
+        name = r["transform"] + ("" if r["variant"] == "default" else f" [{r['variant']}]")
+        out.append(
+            f"| {name} | {r['harness']} | {shape} | {r['parameters']:,} | "
+            f"{r['local_ms']:.3f} | {r['plain_ms']:.3f} | {r['local_ratio']:.2f} | "
+            f"{r['hand_local_ms']:.3f} | {r['local_hand_ratio']:.2f} | {r['sync_ms']:.3f} | "
+            f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {r['compile_s']:.2f} | "
+            f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('peak_bytes_in_use'))} |"
+        )
+    out += [
+        "",
+        "| transform | parameters | state B / param B | parameter-sized buffers | fixed bytes |",
+        "|---|---|---|---|---|",
+    ]
+    for r in section["state_bytes"]:
+        out.append(
+            f"| {r['transform']} | {r['parameters']:,} | {r['state_bytes_per_param_byte']:.4f} | "
+            f"{r['buffer_bytes_per_param_byte']:.4f} | {r['fixed_state_bytes']} |"
+        )
+    if section["skipped"]:
+        out += ["", "skipped: " + "; ".join(section["skipped"])]
+    return "\n".join(out)
