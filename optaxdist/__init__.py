@@ -61,8 +61,7 @@ from optaxdist.transforms.compressed import (
 )
 from optaxdist.transforms.daso import DasoEvents, DasoState, daso
 from optaxdist.transforms.gossip import (
-    DecentralizedSgdState,
-    SgpState,
+    PushSumState,
     consensus_distance,
     decentralized_sgd,
     sgp,
@@ -108,7 +107,6 @@ __all__ = [
     "Communicator",
     "DasoEvents",
     "DasoState",
-    "DecentralizedSgdState",
     "DynamicLossScaleState",
     "Hierarchy",
     "KindTotals",
@@ -116,7 +114,7 @@ __all__ = [
     "OuterState",
     "PeriodicState",
     "PowerSgdState",
-    "SgpState",
+    "PushSumState",
     "SignSgdState",
     "SoloComm",
     "SlowMoOuterState",

@@ -32,7 +32,7 @@ rule            what happens to rows ``x[0..N)`` when going to ``M`` replicas
 
 Algorithm-specific rules:
 
-* ``SgpState``: the parameters become the exact push-sum average
+* ``PushSumState`` (``sgp``): the parameters become the exact push-sum average
   ``(Σ_i w_i z_i + Σ_i in_flight_x_i) / (Σ_i w_i + Σ_i in_flight_w_i)`` (what ``global_every``
   computes), push-sum weights are renormalised to 1, nothing stays in flight.
 * ``OuterState`` with ``num_shards`` (memory-efficient SlowMo/DiLoCo/Streaming DiLoCo): each
@@ -44,7 +44,7 @@ Algorithm-specific rules:
   refused (resize at an epoch end, where DASO is blocking); the unused pending-sum buffer is
   zeroed; the rotating group indices ``send_group`` / ``previous_send_group`` are taken modulo
   ``node_size``.
-* Gossip states (``DecentralizedSgdState``, ``SgpState``): ``topology=`` must accept ``M``.
+* Gossip states (``decentralized_sgd``, ``sgp``): ``topology=`` must accept ``M``.
 
 A resize is meant to happen at a synchronisation point (after an all-reduce step, a local-SGD or
 DiLoCo sync, an epoch end of DASO), where the ``average`` rule keeps values bit-identical. Between
@@ -67,7 +67,7 @@ from optaxdist.transforms.allreduce import AllReduceState, AverageParamsState
 from optaxdist.transforms.averaged_iterate import AveragedIterateState
 from optaxdist.transforms.compressed import CompressedAllReduceState, ExactWarmupState
 from optaxdist.transforms.daso import DasoEvents, DasoState
-from optaxdist.transforms.gossip import DecentralizedSgdState, SgpState
+from optaxdist.transforms.gossip import Gossip, PushSumState
 from optaxdist.transforms.loss_scale import DynamicLossScaleState
 from optaxdist.transforms.outer import OuterLayout, OuterState, SlowMoOuterState, sharded_payloads
 from optaxdist.transforms.periodic import PeriodicState
@@ -107,13 +107,9 @@ RULES: dict[type, dict[str, str | None]] = {
         "reducer_states": AVERAGE,
     },
     SlowMoOuterState: {"slow_momentum": INHERIT},
-    DecentralizedSgdState: {"gossip_step": REPLICATED, "inner_state": AVERAGE, "gossip_ledger": LEDGER},
-    SgpState: {
-        "gossip_step": REPLICATED,
+    PushSumState: {
         "ps_weight": "ps_weight",  # renormalised to 1
-        "inner_state": AVERAGE,
         "in_flight": "in_flight",  # folded into the parameters, then zero
-        "gossip_ledger": LEDGER,
     },
     DasoState: {
         **{
@@ -138,7 +134,7 @@ RULES: dict[type, dict[str, str | None]] = {
     SignSgdState: {"count": AVERAGE, "sign_momentum": AVERAGE},
     SingaSgdState: {"count": AVERAGE, "momentum_buffer": AVERAGE},
 }
-GOSSIP_STATES = (DecentralizedSgdState, SgpState)
+GOSSIP_STATES = (Gossip, PushSumState)
 
 
 def _is_ledger(x) -> bool:
@@ -462,9 +458,9 @@ def resize_replicas(
 
     leaf_shapes = [jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype) for x in jax.tree.leaves(params)]
     resizer = _Resizer(n, new_n, exact_residuals, leaf_shapes, node_size)
-    sgps = _find(opt_state, SgpState)
+    sgps = _find(opt_state, PushSumState)
     if len(sgps) > 1:
-        raise ValueError("more than one SgpState in opt_state: the parameters have one push-sum weight")
+        raise ValueError("more than one sgp state in opt_state: the parameters have one push-sum weight")
     if sgps:
         new_params = _push_sum_average(params, sgps[0], new_n)
     else:
@@ -475,7 +471,7 @@ def resize_replicas(
     return new_params, new_state
 
 
-def _push_sum_average(params, s: SgpState, m: int):
+def _push_sum_average(params, s: PushSumState, m: int):
     w = np.asarray(s.ps_weight, np.float64)
     leaves, treedef = jax.tree.flatten(params)
     if s.in_flight == ():

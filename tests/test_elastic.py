@@ -253,17 +253,17 @@ def test_sgp_resize_is_the_push_sum_average():
     params, state = _state("sgp_overlap", 4)
     w = np.asarray([1.0, 0.5, 2.0, 0.5], np.float32)
     late_w = np.asarray([0.0, 0.5, 0.0, 0.0], np.float32)
-    late_x = [np.zeros_like(np.asarray(x)) for x in state.in_flight[0]]
+    late_x = [np.zeros_like(np.asarray(x)) for x in state.sync_state.in_flight[0]]
     late_x = [x + np.arange(4, dtype=np.float32).reshape((4,) + (1,) * (x.ndim - 1)) for x in late_x]
-    state = state._replace(ps_weight=w, in_flight=(late_x, late_w))
+    state = state._replace(sync_state=od.PushSumState(ps_weight=w, in_flight=(late_x, late_w)))
     leaves = [np.asarray(x) for x in jax.tree.leaves(params)]
     new_params, new_state = od.resize_replicas(params, state, 2, topology=od.topology.ring)
     for z, lx, new in zip(leaves, late_x, jax.tree.leaves(new_params)):
         wz = z.astype(np.float64) * w.reshape((-1,) + (1,) * (z.ndim - 1))
         want = ((wz + lx).sum(0) / (w.sum() + late_w.sum())).astype(np.float32)
         np.testing.assert_array_equal(new, np.stack([want, want]))
-    np.testing.assert_array_equal(new_state.ps_weight, [1.0, 1.0])
-    assert all(not np.any(x) for x in jax.tree.leaves(new_state.in_flight))
+    np.testing.assert_array_equal(new_state.sync_state.ps_weight, [1.0, 1.0])
+    assert all(not np.any(x) for x in jax.tree.leaves(new_state.sync_state.in_flight))
 
 
 def test_sharded_slowmo_reblocks_the_anchor():

@@ -63,7 +63,7 @@ def test_sgp_equals_dpsgd_on_regular_uniform_graphs(harness):
         harness, lambda c: od.decentralized_sgd(optax.sgd(LR), comm=c, topology=g), steps=STEPS
     )
     close(a, b, atol=1e-6)
-    np.testing.assert_array_equal(sa.ps_weight, 1.0)
+    np.testing.assert_array_equal(sa.sync_state.ps_weight, 1.0)
     assert "permute[ps_weight]" not in od.comm_stats(sa).by_kind  # doubly stochastic: no weight sent
 
 
@@ -102,7 +102,7 @@ def push_sum_values(harness, topology, steps, *, overlap=False, global_every=Non
             z, s = carry
             u, s = tx.update(jnp.zeros_like(z), s, z)
             z = optax.apply_updates(z, u)
-            return (z, s), (z, s.ps_weight)
+            return (z, s), (z, s.sync_state.ps_weight)
 
         return jax.lax.scan(body, (x, s), None, length=steps)
 

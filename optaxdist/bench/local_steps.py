@@ -249,8 +249,8 @@ def _gossip_case(name: str, factory: Callable[..., optax.GradientTransformationE
     return Case(
         name,
         build,
-        {"gossip_step": LOCAL_T},
-        {"gossip_step": SYNC_T},
+        {"step": LOCAL_T},
+        {"step": SYNC_T},
         _pmean,
         hand_local=_ring_mix,
         settings=f"ring, global_every={PERIOD}",

@@ -6,12 +6,13 @@
   with a column-stochastic ``W`` applied to the numerator ``x`` and the weight ``w``; the model the
   user sees is always the de-biased ``z = x / w``.
 
-Both read a static ``optaxdist.topology.Topology``: round ``t mod period`` selects the static
-permutations (``lax.switch``), each lowering to one ``comm.permute``.
+Both read a static ``optaxdist.topology.Topology``: round ``t mod period`` is a synchronization of
+the periodic engine (a branch of its ``lax.switch``), each slot lowering to one ``comm.permute``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -19,12 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.accounting import CommLedger, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.topology import Topology
-from optaxdist.transforms._checks import check_nonfinite, local_step
-from optaxdist.transforms._start import check_identical_start, start_kinds
+from optaxdist.transforms.periodic import SyncInput, periodic
 
 PERMUTE_KIND = "permute[params]"
 WEIGHT_KIND = "permute[ps_weight]"
@@ -45,59 +45,68 @@ def _check_size(comm: Communicator, topology: Topology) -> None:
         raise ValueError(f"topology {topology.name!r} has n={topology.n} nodes but the group has {comm.size}")
 
 
-def _gossip(
+def _mix(
     values: list[jax.Array],
     topology: Topology,
-    round_index: jax.Array,
+    r: int,
     comm: Communicator,
     *,
     push: bool,
     ledger: CommLedger,
     kinds: tuple[str, ...],
 ) -> tuple[list[jax.Array], list[jax.Array], CommLedger]:
-    """One gossip round (``lax.switch`` over the static rounds).
-
-    Returns ``(own, received, ledger)``: the self-weighted own values and the weighted sum of what
-    arrived, so that the mixed value is ``own + received`` (kept apart for the delayed variant).
-    ``push``: weights applied by the sender (push-sum); else by the receiver.
-    """
+    """Round ``r`` of ``topology``: ``(own, received, ledger)``, the self-weighted own values and
+    the weighted sum of what arrived, so that the mixed value is ``own + received`` (kept apart
+    for the delayed variant). ``push``: weights applied by the sender (push-sum); else by the
+    receiver. Each slot in which this replica has an out-peer records one event of ``kinds``."""
     me = comm.index()
-
-    def one_round(r: int):
-        def branch(operand):
-            vals, led = operand
-            self_w, slot_w = topology.send_weights(r) if push else topology.receive_weights(r)
-            own = [v * jnp.asarray(self_w, v.dtype)[me] for v in vals]
-            received = [jnp.zeros_like(v) for v in vals]
-            for s, perm in enumerate(topology.perms(r)):
-                w = jnp.asarray(slot_w[s])[me]
-                if push:
-                    arrived = comm.permute([v * w.astype(v.dtype) for v in vals], perm)
-                else:
-                    arrived = [a * w.astype(a.dtype) for a in comm.permute(vals, perm)]
-                received = [a + b for a, b in zip(received, arrived)]
-                sends = jnp.asarray(np.isin(np.arange(topology.n), [p[0] for p in perm]))[me]
-                for kind in kinds:
-                    led = led.record(kind, sends.astype(jnp.int32))
-            return per_replica((own, received, led), comm)
-
-        return branch
-
-    own, received, ledger = jax.lax.switch(
-        round_index % topology.period,
-        [one_round(r) for r in range(topology.period)],
-        (values, ledger),
-    )
+    self_w, slot_w = topology.send_weights(r) if push else topology.receive_weights(r)
+    own = [v * jnp.asarray(self_w, v.dtype)[me] for v in values]
+    received = [jnp.zeros_like(v) for v in values]
+    for slot, perm in enumerate(topology.perms(r)):
+        w = jnp.asarray(slot_w[slot])[me]
+        if push:
+            arrived = comm.permute([v * w.astype(v.dtype) for v in values], perm)
+        else:
+            arrived = [a * w.astype(a.dtype) for a in comm.permute(values, perm)]
+        received = [a + b for a, b in zip(received, arrived)]
+        sends = jnp.asarray(np.isin(np.arange(topology.n), [p[0] for p in perm]))[me]
+        for kind in kinds:
+            ledger = ledger.record(kind, sends.astype(jnp.int32))
     return own, received, ledger
 
 
-class DecentralizedSgdState(NamedTuple):
-    """State of ``decentralized_sgd``: step (replicated), inner state (per replica), ledger (per
-    replica: on irregular graphs replicas send different numbers of messages)."""
+def _gossip_schedule(topology: Topology, global_every: int | None):
+    """Every step a round of the topology (``1 + s mod period``); with ``global_every=K`` every
+    K-th step the exact average instead (the last synchronization)."""
 
-    gossip_step: jax.Array
-    inner_state: optax.OptState
-    gossip_ledger: CommLedger
+    def schedule(s, num_syncs):
+        index = 1 + s % topology.period
+        if global_every:
+            index = jnp.where((s + 1) % global_every == 0, num_syncs, index)
+        return index
+
+    return schedule
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Gossip:
+    """``decentralized_sgd``'s synchronization state: static (no arrays); marks the state as a
+    gossip state for ``resize_replicas``."""
+
+
+class PushSumState(NamedTuple):
+    """``sgp``'s synchronization state (``PeriodicState.sync_state``).
+
+    Attributes:
+      ps_weight: this replica's push-sum weight ``w`` (float32 scalar, per replica; 1 at start).
+      in_flight: with ``overlap``, what arrived this step and is mixed in at the next (numerator
+        leaves and weight); empty otherwise.
+    """
+
+    ps_weight: jax.Array
+    in_flight: Any
 
 
 @configured("decentralized_sgd")
@@ -108,6 +117,7 @@ def decentralized_sgd(
     topology: Topology,
     metropolis: bool = False,
     global_every: int | None = None,
+    warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
@@ -132,6 +142,7 @@ def decentralized_sgd(
       topology: a static gossip graph (``optaxdist.topology``).
       metropolis: reweight undirected rounds with Metropolis–Hastings weights.
       global_every: exact global averaging every K steps (None: never).
+      warmup_steps: synchronous steps (gradients all-reduced) before the gossip starts.
       check_start: raise on step 0 if the replicas' parameters differ.
       nonfinite: a local step whose update is not finite is skipped on this replica only
         (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
@@ -148,65 +159,40 @@ def decentralized_sgd(
             f"topology {topo.name!r} is not row-stochastic: D-PSGD's average would be biased; "
             "use sgp (push-sum) for directed graphs"
         )
-    check_nonfinite(nonfinite)
-    inner = optax.with_extra_args_support(inner)
 
-    def kinds(params):
-        out = {PERMUTE_KIND: payload_bytes(params)} | start_kinds(check_start, params)
-        return out | ({GLOBAL_KIND: payload_bytes(params)} if global_every else {})
-
-    def init_fn(params):
-        return DecentralizedSgdState(
-            gossip_step=jnp.zeros((), jnp.int32),
-            inner_state=per_replica(inner.init(params), comm),
-            gossip_ledger=comm.varying(CommLedger.create(kinds(params))),
+    def kinds(params, inner_state):
+        return {PERMUTE_KIND: payload_bytes(params)} | (
+            {GLOBAL_KIND: payload_bytes(params)} if global_every else {}
         )
 
-    def update_fn(updates, state, params=None, **extra):
-        if params is None:
-            raise ValueError("decentralized_sgd needs params: call update(updates, state, params)")
-        _check_size(comm, topo)
-        t = comm.uniform(state.gossip_step)  # one round's branch runs, also under simulate
-        ledger = check_identical_start(check_start, params, t, state.gossip_ledger, comm)
-        u, inner_state = local_step(inner, updates, state.inner_state, params, nonfinite=nonfinite, **extra)
-        leaves, treedef = jax.tree.flatten(optax.apply_updates(params, u))
+    def gossip(r: int):
+        def sync(x: SyncInput) -> SyncInput:
+            _check_size(comm, topo)
+            leaves, treedef = jax.tree.flatten(x.local)
+            own, received, ledger = _mix(
+                leaves, topo, r, comm, push=False, ledger=x.ledger, kinds=(PERMUTE_KIND,)
+            )
+            mixed = [a + b for a, b in zip(own, received)]
+            return x._replace(local=jax.tree.unflatten(treedef, mixed), ledger=ledger)
 
-        def gossip(led):
-            own, received, led = _gossip(leaves, topo, t, comm, push=False, ledger=led, kinds=(PERMUTE_KIND,))
-            return per_replica(([a + b for a, b in zip(own, received)], led), comm)
+        return sync
 
-        def average(led):
-            return per_replica((comm.pmean(leaves), led.record(GLOBAL_KIND)), comm)
+    def average(x: SyncInput) -> SyncInput:
+        return x._replace(local=comm.pmean(x.local), ledger=x.ledger.record(GLOBAL_KIND))
 
-        if global_every:
-            mixed, ledger = jax.lax.cond((t + 1) % global_every == 0, average, gossip, ledger)
-        else:
-            mixed, ledger = gossip(ledger)
-        out = [(m - p).astype(p.dtype) for m, p in zip(mixed, jax.tree.leaves(params))]
-        return jax.tree.unflatten(treedef, out), DecentralizedSgdState(
-            gossip_step=optax.safe_increment(t), inner_state=inner_state, gossip_ledger=ledger
-        )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-class SgpState(NamedTuple):
-    """State of ``sgp``.
-
-    Attributes:
-      gossip_step: steps so far (int32, replicated).
-      ps_weight: this replica's push-sum weight ``w`` (float32 scalar, per replica; 1 at start).
-      inner_state: the inner optimizer's state (per replica).
-      in_flight: with ``overlap``, what arrived this step and is mixed in at the next (numerator
-        leaves and weight); empty otherwise.
-      gossip_ledger: what this replica sent (per replica).
-    """
-
-    gossip_step: jax.Array
-    ps_weight: jax.Array
-    inner_state: optax.OptState
-    in_flight: Any
-    gossip_ledger: CommLedger
+    return periodic(
+        inner,
+        comm=comm,
+        name="decentralized_sgd",
+        schedule=_gossip_schedule(topo, global_every),
+        syncs=[gossip(r) for r in range(topo.period)] + ([average] if global_every else []),
+        kinds=kinds,
+        init_sync=lambda params: Gossip(),
+        warmup_steps=warmup_steps,
+        ledger_varies=True,
+        check_start=check_start,
+        nonfinite=nonfinite,
+    )
 
 
 @configured("sgp")
@@ -218,6 +204,7 @@ def sgp(
     ordering: Literal["push_sum", "push_pull"] = "push_sum",
     overlap: bool = False,
     global_every: int | None = None,
+    warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
@@ -255,6 +242,7 @@ def sgp(
       ordering: ``"push_sum"`` or ``"push_pull"`` (needs a bipartite topology).
       overlap: apply received mixing one step late (OSGP).
       global_every: exact global averaging every K steps.
+      warmup_steps: synchronous steps (gradients all-reduced) before the gossip starts.
       check_start: raise on step 0 if the replicas' parameters differ.
       nonfinite: a local step whose update is not finite is skipped on this replica only
         (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
@@ -273,81 +261,75 @@ def sgp(
         raise ValueError(f"topology {topology.name!r} is not column-stochastic: push-sum needs it")
     send_weight = not topology.is_doubly_stochastic()
     gossip_kinds = (PERMUTE_KIND, WEIGHT_KIND) if send_weight else (PERMUTE_KIND,)
-    check_nonfinite(nonfinite)
-    inner = optax.with_extra_args_support(inner)
 
-    def kinds(params):
+    def kinds(params, inner_state):
         # numerators travel in float32, whatever the parameters' dtype
-        out = {PERMUTE_KIND: payload_bytes(params, jnp.float32)} | start_kinds(check_start, params)
+        out = {PERMUTE_KIND: payload_bytes(params, jnp.float32)}
         out |= {WEIGHT_KIND: 4} if send_weight else {}
         global_bytes = payload_bytes(params, jnp.float32) + 4  # float32 numerators and the weight
         return out | ({GLOBAL_KIND: global_bytes} if global_every else {})
 
-    def init_fn(params):
+    def init_sync(params) -> PushSumState:
         in_flight = ()
         if overlap:
             in_flight = (
                 [jnp.zeros(x.shape, jnp.float32) for x in jax.tree.leaves(params)],
                 jnp.zeros((), jnp.float32),
             )
-        return SgpState(
-            gossip_step=jnp.zeros((), jnp.int32),
-            ps_weight=per_replica(jnp.ones((), jnp.float32), comm),
-            inner_state=per_replica(inner.init(params), comm),
-            in_flight=per_replica(in_flight, comm),
-            gossip_ledger=comm.varying(CommLedger.create(kinds(params))),
-        )
+        return PushSumState(ps_weight=jnp.ones((), jnp.float32), in_flight=in_flight)
 
-    def update_fn(updates, state, params=None, **extra):
-        if params is None:
-            raise ValueError("sgp needs params: call update(updates, state, params)")
-        _check_size(comm, topology)
-        t, w = comm.uniform(state.gossip_step), state.ps_weight
-        ledger = check_identical_start(check_start, params, t, state.gossip_ledger, comm)
-        u, inner_state = local_step(inner, updates, state.inner_state, params, nonfinite=nonfinite, **extra)
-        p_leaves, treedef = jax.tree.flatten(params)
-        numerator = [
-            (z.astype(jnp.float32) * w + d.astype(jnp.float32)) for z, d in zip(p_leaves, jax.tree.leaves(u))
-        ]
+    def numerator(x: SyncInput) -> tuple[list[jax.Array], Any]:
+        """``x = w·z + update`` in float32 (``z``: the de-biased parameters), and the tree's def."""
+        w = x.sync_state.ps_weight
+        z, treedef = jax.tree.flatten(x.params)
+        return [
+            zi.astype(jnp.float32) * w + d.astype(jnp.float32) for zi, d in zip(z, jax.tree.leaves(x.update))
+        ], treedef
 
-        def gossip(operand):
-            led, in_flight = operand
-            own, received, led = _gossip(
-                [*numerator, w], topology, t, comm, push=True, ledger=led, kinds=gossip_kinds
+    def gossip(r: int):
+        def sync(x: SyncInput) -> SyncInput:
+            _check_size(comm, topology)
+            num, treedef = numerator(x)
+            state: PushSumState = x.sync_state
+            own, received, ledger = _mix(
+                [*num, state.ps_weight], topology, r, comm, push=True, ledger=x.ledger, kinds=gossip_kinds
             )
+            in_flight = state.in_flight
             if overlap:  # mix in what arrived last step; keep this step's arrivals for the next
                 late_x, late_w = in_flight
                 mixed = [a + b for a, b in zip(own[:-1], late_x)] + [own[-1] + late_w]
                 in_flight = (received[:-1], received[-1])
             else:
                 mixed = [a + b for a, b in zip(own, received)]
-            return per_replica((mixed[:-1], mixed[-1], led, in_flight), comm)
+            w = mixed[-1]
+            z = jax.tree.unflatten(treedef, [xi / w for xi in mixed[:-1]])
+            return x._replace(local=z, sync_state=PushSumState(w, in_flight), ledger=ledger)
 
-        def average(operand):
-            led, in_flight = operand
-            # the true average is Σx / Σw (a mean of the de-biased z_i would be biased)
-            *sums, total_w = comm.psum([*numerator, w])
-            mean = [s / total_w for s in sums]
-            if overlap:  # nothing stays in flight across an exact average
-                in_flight = jax.tree.map(jnp.zeros_like, in_flight)
-            return per_replica((mean, jnp.ones((), jnp.float32), led.record(GLOBAL_KIND), in_flight), comm)
+        return sync
 
-        operand = (ledger, state.in_flight)
-        if global_every:
-            x, w, ledger, in_flight = jax.lax.cond((t + 1) % global_every == 0, average, gossip, operand)
-        else:
-            x, w, ledger, in_flight = gossip(operand)
-        z = [xi / w for xi in x]
-        out = [(zi - p.astype(jnp.float32)).astype(p.dtype) for zi, p in zip(z, p_leaves)]
-        return jax.tree.unflatten(treedef, out), SgpState(
-            gossip_step=optax.safe_increment(t),
-            ps_weight=w,
-            inner_state=inner_state,
-            in_flight=in_flight,
-            gossip_ledger=ledger,
-        )
+    def average(x: SyncInput) -> SyncInput:
+        # the true average is Σx / Σw (a mean of the de-biased z_i would be biased)
+        num, treedef = numerator(x)
+        state: PushSumState = x.sync_state
+        *sums, total_w = comm.psum([*num, state.ps_weight])
+        in_flight = jax.tree.map(jnp.zeros_like, state.in_flight)  # nothing stays in flight
+        z = jax.tree.unflatten(treedef, [v / total_w for v in sums])
+        state = PushSumState(jnp.ones((), jnp.float32), in_flight)
+        return x._replace(local=z, sync_state=state, ledger=x.ledger.record(GLOBAL_KIND))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return periodic(
+        inner,
+        comm=comm,
+        name="sgp",
+        schedule=_gossip_schedule(topology, global_every),
+        syncs=[gossip(r) for r in range(topology.period)] + ([average] if global_every else []),
+        kinds=kinds,
+        init_sync=init_sync,
+        warmup_steps=warmup_steps,
+        ledger_varies=True,
+        check_start=check_start,
+        nonfinite=nonfinite,
+    )
 
 
 def consensus_distance(params: Any, *, comm: Communicator) -> jax.Array:

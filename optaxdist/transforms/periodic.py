@@ -69,8 +69,11 @@ class SyncInput(NamedTuple):
       step: this update's 0-based index, warm-up included (replicated int32; the inner optimizer's
         step, which outer optimizers receive as ``inner_step``).
       params: the parameters before this update.
+      update: the local step's update (``local = params + update``, rounded to the parameters'
+        dtype).
       local: the parameters after this replica's local step; a synchronization replaces them by
-        the parameters every replica continues from.
+        the parameters every replica continues from (in their dtype or wider: the engine returns
+        ``local − params`` in the parameters' dtype).
       inner_state: the local optimizer's state after the local step.
       sync_state: the synchronizations' state.
       ledger: the ledger; record what is sent.
@@ -78,6 +81,7 @@ class SyncInput(NamedTuple):
 
     step: jax.Array
     params: Any
+    update: Any
     local: Any
     inner_state: Any
     sync_state: Any
@@ -111,6 +115,7 @@ def periodic(
     begin: Sync | None = None,
     warmup_steps: int = 0,
     dtype: Any = None,
+    ledger_varies: bool = False,
     check_start: bool = True,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
@@ -134,6 +139,8 @@ def periodic(
         synchronizations' state and the ledger, not ``local``.
       warmup_steps: updates whose gradients are all-reduced (over ``comm``, in ``dtype``) before
         the local step, with no synchronization: replicas stay identical (post-local SGD).
+      ledger_varies: the synchronizations send different numbers of messages on different
+        replicas (gossip on irregular graphs): the ledger is per replica, not replicated.
       dtype: wire dtype of the warm-up's all-reduce (None: the gradients' own dtype; the ledger
         counts the parameters' bytes in it).
       check_start: on the first update, raise ``ValueError`` on every replica if their parameters
@@ -160,12 +167,13 @@ def periodic(
 
     def init_fn(params):
         inner_state = per_replica(inner.init(params), comm)
+        ledger = CommLedger.create(all_kinds(params, inner_state))
         return PeriodicState(
             step=jnp.zeros((), jnp.int32),
             last_sync=jnp.zeros((), jnp.int32),
             inner_state=inner_state,
             sync_state=per_replica(init_sync(params), comm),
-            ledger=CommLedger.create(all_kinds(params, inner_state)),
+            ledger=comm.varying(ledger) if ledger_varies else ledger,
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -182,12 +190,11 @@ def periodic(
             grads, inner_state, sync_state, ledger = operand
             u, inner_state = local_step(inner, grads, inner_state, params, nonfinite=nonfinite, **extra)
             if then is not None:
-                x = then(
-                    SyncInput(t, params, optax.apply_updates(params, u), inner_state, sync_state, ledger)
-                )
+                local_params = optax.apply_updates(params, u)
+                x = then(SyncInput(t, params, u, local_params, inner_state, sync_state, ledger))
                 inner_state, sync_state, ledger = x.inner_state, x.sync_state, x.ledger
                 if moves_params:
-                    u = jax.tree.map(lambda n, p: (n - p).astype(p.dtype), x.local, params)
+                    u = jax.tree.map(lambda n, p: (n - p.astype(n.dtype)).astype(p.dtype), x.local, params)
             return per_replica((u, inner_state, sync_state, ledger), comm)
 
         def warm_up(operand):
