@@ -144,9 +144,8 @@ def decentralized_sgd(
       global_every: exact global averaging every K steps (None: never).
       warmup_steps: synchronous steps (gradients all-reduced) before the gossip starts.
       check_start: raise on step 0 if the replicas' parameters differ.
-      nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
-        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
+      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
+        ``optaxdist.transforms.periodic.periodic``.
 
     References:
       Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS 2017.
@@ -244,9 +243,8 @@ def sgp(
       global_every: exact global averaging every K steps.
       warmup_steps: synchronous steps (gradients all-reduced) before the gossip starts.
       check_start: raise on step 0 if the replicas' parameters differ.
-      nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
-        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
+      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
+        ``optaxdist.transforms.periodic.periodic``.
 
     References:
       Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep Learning",

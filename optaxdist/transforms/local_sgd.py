@@ -97,9 +97,8 @@ def local_sgd(
         and raise ``ValueError`` otherwise (a uint32 fingerprint per leaf is compared with replica
         0's: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``). Make them identical with
         ``broadcast_from_root``.
-      nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
-        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
+      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
+        ``optaxdist.transforms.periodic.periodic``.
 
     Example:
       >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)

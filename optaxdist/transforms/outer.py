@@ -160,8 +160,8 @@ def outer_sync(
       check_start: on the first step, raise ``ValueError`` if the replicas' parameters differ
         (fingerprints compared: 4 bytes per leaf and a 4-byte vote, ledger
         ``broadcast[start check]``).
-      nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default) or applied as it is (``"ignore"``, no cost).
+      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
+        ``optaxdist.transforms.periodic.periodic``.
     """
     check_period("period", period)
     check_comm("comm", comm)
@@ -398,9 +398,8 @@ def diloco(
       warmup_steps: synchronous steps (gradients all-reduced) before the local steps; the anchor
         is taken when they end.
       check_start: raise on the first step if the replicas' parameters differ.
-      nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
-        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
+      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
+        ``optaxdist.transforms.periodic.periodic``.
 
     Example:
       >>> tx = diloco(optax.adamw(4e-4), comm=comm, period=500)
@@ -498,9 +497,8 @@ def slowmo(
       warmup_steps: synchronous steps (gradients all-reduced) before the local steps; the anchor
         is taken when they end.
       check_start: raise on the first step if the replicas' parameters differ.
-      nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
-        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
+      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
+        ``optaxdist.transforms.periodic.periodic``.
 
     References:
       Wang, Tantia, Ballas, Rabbat, "SlowMo: Improving Communication-Efficient Distributed SGD with
@@ -579,8 +577,8 @@ def streaming_diloco(
       warmup_steps: synchronous steps before the local steps; the anchors are taken when they end.
       check_start: raise on the first step if the replicas' parameters differ (compares a
         fingerprint: 4 bytes per leaf).
-      nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default) or applied as it is (``"ignore"``, no cost).
+      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
+        ``optaxdist.transforms.periodic.periodic``.
 
     References:
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed

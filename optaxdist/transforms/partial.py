@@ -108,9 +108,8 @@ def partial_average(
         starts with partition 0.
       check_start: raise on the first step if the replicas' parameters differ (compares a
         fingerprint: 4 bytes per leaf).
-      nonfinite: a local step whose update is not finite is skipped on this replica only
-        (``"skip"``, the default: zero update, inner state kept, nothing sent, so non-finite
-        gradients never reach any replica's state) or applied as it is (``"ignore"``, no cost).
+      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
+        ``optaxdist.transforms.periodic.periodic``.
 
     References:
       Apache SINGA ``DistOpt.backward_and_partial_update``.

@@ -145,8 +145,11 @@ def periodic(
         counts the parameters' bytes in it).
       check_start: on the first update, raise ``ValueError`` on every replica if their parameters
         differ (fingerprints compared: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``).
-      nonfinite: ``"skip"`` (a local step whose update is not finite is not taken on this replica:
-        zero update, inner state kept) or ``"ignore"`` (no check, no cost).
+      nonfinite: ``"skip"``: a local step whose update is not finite is not taken on this replica
+        (zero update, inner state kept, nothing sent: non-finite gradients never reach any
+        replica's state); it costs one ``isfinite`` pass over the update and a select of the update
+        and the inner state, fused into the step. ``"ignore"``: no check, no cost, for inner
+        optimizers that guard themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``).
 
     The schedule's synchronizations, the warm-up and the first step after it are branches of one
     ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
