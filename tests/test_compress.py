@@ -22,6 +22,9 @@ ALL = {
     "threshold_padded": compress.threshold(0.5, mode="padded", max_fraction=0.3),
     "sign_vote": compress.sign(),
     "scaled_sign": compress.sign(scaled=True),
+    "int8": compress.quantize(8, block_size=4),
+    "int4_stochastic": compress.quantize(4, block_size=6, rounding="stochastic"),
+    "int2": compress.quantize(2, block_size=8),
 }
 
 
@@ -86,7 +89,8 @@ def test_sent_plus_residual_equals_input_exactly(name):
     x = jnp.asarray(np.random.default_rng(1).normal(size=37).astype(np.float32))
     sent = c.decode(c.encode(x, KEY), 37, KEY)
     residual = x - sent
-    if "sign" in name:  # x − s·sign(x) is rounded; its sum with the sent part is within an ulp
+    if "sign" in name or name.startswith("int"):
+        # x − s·sign(x) and x − n·s (quantized) are rounded; their sum with the sent part is within an ulp
         np.testing.assert_allclose(np.asarray(sent + residual), np.asarray(x), rtol=0, atol=1e-7)
     else:
         np.testing.assert_array_equal(np.asarray(sent + residual), np.asarray(x))
@@ -304,3 +308,75 @@ def test_random_k_picks_uniform_distinct_subsets():
     assert all(len(set(row)) == 5 for row in idx)  # distinct
     counts = np.bincount(idx.ravel(), minlength=20)
     np.testing.assert_allclose(counts / 2000, 5 / 20, atol=0.04)  # each coordinate w.p. k/d
+
+
+# ---- block-wise quantization -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_quantize_error_within_the_block_scale(bits, rounding):
+    c = compress.quantize(bits, block_size=64, rounding=rounding)
+    x = jax.random.normal(jax.random.key(1), (1000,)) * jnp.repeat(jnp.logspace(-3, 2, 16), 64)[:1000]
+    packed, scale = c.encode(x, KEY)
+    assert packed.dtype == jnp.uint8 and packed.shape == (16 * 64 * bits // 8,)
+    assert scale.dtype == jnp.float32 and scale.shape == (16,)
+    err = np.abs(np.pad(np.asarray(c.decode((packed, scale), 1000, KEY) - x), (0, 24))).reshape(16, 64)
+    bound = np.asarray(scale)[:, None] * (0.5 if rounding == "nearest" else 1.0)
+    assert (err <= bound * (1 + 1e-6)).all()
+    # the scale is the block's largest magnitude over q (XLA may divide by a constant as a product)
+    want = np.abs(np.pad(x, (0, 24))).reshape(16, 64).max(1) / c.levels
+    np.testing.assert_allclose(np.asarray(scale), want, rtol=2e-7)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_packed_codes_unpack_to_the_same_values(bits):
+    from optaxdist.compress.quantize import _pack, _unpack
+
+    codes = jax.random.randint(KEY, (96,), 0, 2**bits).astype(jnp.uint8)
+    packed = _pack(codes, bits)
+    assert packed.shape == (96 * bits // 8,)
+    np.testing.assert_array_equal(_unpack(packed, bits, 96), codes)
+    np.testing.assert_array_equal(_unpack(jnp.stack([packed, packed]), bits, 96), jnp.stack([codes, codes]))
+
+
+def test_stochastic_rounding_is_unbiased():
+    c = compress.quantize(2, block_size=8, rounding="stochastic")
+    x = jnp.asarray([1.0, 0.3, -0.55, 0.0, 0.9, -1.0, 0.2, 0.05])  # scale 1: values in {-1, 0, 1}
+    keys = jax.random.split(KEY, 4000)
+    mean = jax.vmap(lambda k: c.decode(c.encode(x, k), 8, k))(keys).mean(0)
+    np.testing.assert_allclose(mean, x, atol=0.03)
+
+
+def np_quantized_mean(c, g):
+    """NumPy model: every replica's block-wise quantization (round half to even), decoded, averaged."""
+    out = []
+    for x in g:
+        flat = x.reshape(-1).astype(np.float64)
+        num = -(-flat.size // c.block_size)
+        blocks = np.pad(flat, (0, num * c.block_size - flat.size)).reshape(num, -1).astype(np.float32)
+        scale = np.abs(blocks).max(1) / np.float32(c.levels)
+        ints = np.clip(np.round(blocks / np.where(scale > 0, scale, 1)[:, None]), -c.levels, c.levels)
+        out.append((ints * scale[:, None]).reshape(-1)[: flat.size].reshape(x.shape))
+    return np.mean(out, axis=0)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_allreduce_against_numpy(harness, bits):
+    c = compress.quantize(bits, block_size=4)
+    g = grads(harness.n)
+    out, state = one_step(harness, c, g, error_feedback=False)
+    for k in g:
+        np.testing.assert_allclose(out[k], np.broadcast_to(np_quantized_mean(c, g[k]), g[k].shape), atol=1e-6)
+    # kernel 3×4 = 12 values: 3 blocks; bias 4 values: 1 block; bits/8 bytes per value, 4 per scale
+    per_replica = (12 * bits // 8 + 3 * 4) + (4 * bits // 8 + 1 * 4)
+    assert od.comm_stats(state).by_kind == {f"all_gather[int{bits}/4]": od.KindTotals(1, per_replica)}
+
+
+def test_quantize_bad_arguments():
+    with pytest.raises(ValueError, match="bits=3"):
+        compress.quantize(3)
+    with pytest.raises(ValueError, match="block_size=5"):
+        compress.quantize(2, block_size=5)
+    with pytest.raises(ValueError, match="rounding='up'"):
+        compress.quantize(8, rounding="up")

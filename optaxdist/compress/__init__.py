@@ -2,6 +2,7 @@
 
 from optaxdist.compress.base import Compressor
 from optaxdist.compress.cast import Cast, cast, round_to
+from optaxdist.compress.quantize import Quantize, quantize
 from optaxdist.compress.sign import Sign, sign
 from optaxdist.compress.sparse import (
     BlockK,
@@ -18,12 +19,14 @@ __all__ = [
     "BlockK",
     "Cast",
     "Compressor",
+    "Quantize",
     "RandomK",
     "Sign",
     "Threshold",
     "TopK",
     "block_k",
     "cast",
+    "quantize",
     "random_k",
     "round_to",
     "sign",
