@@ -380,3 +380,15 @@ def test_quantize_bad_arguments():
         compress.quantize(2, block_size=5)
     with pytest.raises(ValueError, match="rounding='up'"):
         compress.quantize(8, rounding="up")
+    with pytest.raises(ValueError, match="bits=8.0"):
+        compress.quantize(8.0)
+    with pytest.raises(ValueError, match="block_size=True"):
+        compress.quantize(8, block_size=True)
+
+
+def test_quantize_non_finite_value_makes_its_block_nan():
+    c = compress.quantize(4, block_size=4)
+    x = jnp.asarray([1.0, jnp.inf, -2.0, 0.5, 1.0, -1.0, 0.25, 0.0])
+    y = np.asarray(c.decode(c.encode(x, KEY), 8, KEY))
+    assert np.isnan(y[:4]).all()  # deterministic, not an implementation-defined cast of NaN
+    np.testing.assert_allclose(y[4:], np.float32([1.0, -1.0, 2 / 7, 0.0]), atol=1e-6)

@@ -150,6 +150,17 @@ def test_global_average_steps(harness):
     assert not np.allclose(zs[:, 1], x0.mean(0), atol=1e-3)
 
 
+def test_global_average_folds_in_the_mass_in_flight(harness):
+    """With overlap, part of the mass is in flight at a global step: Σx / Σw must include it."""
+    n = harness.n
+    if n < 3:
+        return
+    x0, _, state, zs, ws = push_sum_values(harness, nonregular_directed(n), 6, overlap=True, global_every=3)
+    np.testing.assert_allclose(zs[:, 2], np.broadcast_to(x0.mean(0), x0.shape), atol=1e-5)
+    np.testing.assert_allclose(zs[:, 5], np.broadcast_to(x0.mean(0), x0.shape), atol=1e-5)
+    np.testing.assert_array_equal(ws[:, 2], 1.0)
+
+
 def test_dpsgd_metropolis_star_keeps_the_average():
     n = 6
     harness = __import__("tests.harness", fromlist=["VmapHarness"]).VmapHarness(n)

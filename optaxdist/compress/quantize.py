@@ -24,9 +24,17 @@ class Quantize(Compressor):
     - 1` (127, 7, 1) and each value the integer :math:`n_i = \mathrm{round}(x_i / s_b) \in [-q, q]`,
     stored as ``n + q`` in ``bits`` bits, ``8 / bits`` values per byte. ``decode`` is
     :math:`n_i s_b`: the error is at most :math:`s_b / 2` (``"nearest"``) or below :math:`s_b`
-    (``"stochastic"``: round up with probability the fractional part, from the key shared by the
-    replicas, so the rounding is unbiased). Replicas all-gather their payloads (integers of
-    different scales do not add) and ``combine`` averages the decoded vectors in float32.
+    (``"stochastic"``: round up with probability the fractional part: unbiased. The random offsets
+    come from the step's key, which every replica shares, so the replicas' rounding errors are
+    correlated and do not shrink as ``1/W`` in the average). Replicas all-gather their payloads
+    (integers of different scales do not add) and ``combine`` averages the decoded vectors in
+    float32. A non-finite value makes its block decode to NaN on every replica, as a plain all-reduce
+    would propagate it (``dynamic_loss_scale`` skips such steps).
+
+    Being an all-gather, it receives ``W`` payloads: int8 at ``W`` replicas receives about
+    ``W/4`` times the bytes of its own vector in float32, more than a float32 ring all-reduce
+    (``≈ 2×``) beyond 8 replicas (int4: 16, int2: 32). With ``scope="leaf"`` every leaf is padded to
+    whole blocks.
 
     Payload per vector of ``d`` values: ``ceil(d / block_size)`` float32 scales and
     ``ceil(d / block_size) · block_size · bits / 8`` bytes of packed values; ledger kind
@@ -39,9 +47,10 @@ class Quantize(Compressor):
     exchange = "all_gather"
 
     def __post_init__(self):
-        if self.bits not in BITS:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in BITS:
             raise ValueError(f"bits={self.bits!r}; allowed: {BITS}")
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size % (8 // self.bits):
+        size = self.block_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % (8 // self.bits):
             raise ValueError(
                 f"block_size={self.block_size!r} must be an int ≥ 1 and a multiple of "
                 f"{8 // self.bits} (the values in one byte at bits={self.bits})"
@@ -73,6 +82,8 @@ class Quantize(Compressor):
             ints = jnp.round(scaled)
         else:
             ints = jnp.floor(scaled + jax.random.uniform(key, scaled.shape, jnp.float32))
+        # a non-finite value codes as 0; its block's non-finite scale makes the block decode to NaN
+        ints = jnp.where(jnp.isfinite(scaled), ints, 0.0)
         codes = (jnp.clip(ints, -q, q) + q).astype(jnp.uint8).reshape(-1)
         return _pack(codes, self.bits), scale
 

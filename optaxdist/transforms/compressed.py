@@ -64,8 +64,8 @@ def compressed_allreduce(
     A summed 16-bit payload (the casts) is the share :math:`C(v_i / W)`, decoded as
     :math:`W\,D(C(v_i / W))`, so that a float16 sum cannot overflow where the mean would not.
 
-    Communication (per step, fused over leaves, ``W`` replicas, ``d`` elements per vector, ``k``
-    kept entries):
+    Communication (per step, one collective per compressed vector, ``W`` replicas, ``d`` elements
+    per vector, ``k`` kept entries, ``B`` block size):
 
     ============================  ==================  ===============================================
     compressor                    collective          payload per replica
@@ -76,19 +76,21 @@ def compressed_allreduce(
     ``threshold(mode="dense")``   all-reduce          ``d`` float32 (dense emulation)
     ``threshold(mode="padded")``  all-gather          ``bound`` int32 + ``bound`` float32
     ``sign()`` / ``sign(scaled)`` all-gather          ``ceil(d/8)`` bytes (+ one float32 if scaled)
+    ``quantize(bits)``            all-gather          ``ceil(d/B)·B·bits/8`` bytes + ``ceil(d/B)`` float32
     ============================  ==================  ===============================================
 
     Ledger kind: ``"<collective>[<compressor name>]"``, e.g. ``"all_gather[top_k]"``.
 
     Args:
-      compressor: one of ``optaxdist.compress`` (``cast``, ``top_k``, ``random_k``, ``block_k``,
-        ``threshold``, ``sign``).
+      compressor: one of ``optaxdist.compress`` (``cast``, ``quantize``, ``top_k``, ``random_k``,
+        ``block_k``, ``threshold``, ``sign``).
       comm: the group of replicas.
       error_feedback: keep the residual (per replica) and add it to the next gradient.
       scope: ``"leaf"`` compresses each gradient leaf separately (k from each leaf's size);
         ``"model"`` compresses the whole gradient as one vector.
       residual_dtype: dtype of the residual and of the compression arithmetic (float32).
-      seed: base of the shared keys of random compressors (``random_k``, ``block_k``).
+      seed: base of the shared keys of random compressors (``random_k``, ``block_k``,
+        ``quantize(rounding="stochastic")``).
 
     Example:
       >>> tx = optax.chain(

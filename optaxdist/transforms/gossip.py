@@ -125,7 +125,8 @@ def decentralized_sgd(
 
     .. math:: x_i \leftarrow \sum_j W^{(t)}_{ij} \bigl(x_j + \mathrm{inner}(g_j)\bigr)
 
-    with :math:`W^{(t)}` the mixing matrix of round :math:`t \bmod P` of ``topology`` (row
+    with :math:`W^{(t)}` the mixing matrix of round :math:`s \bmod P` of ``topology`` (:math:`s` the
+    step counted from the end of the warm-up; row
     :math:`i` = what replica :math:`i` receives). Uniform weights :math:`1/(d+1)` are doubly
     stochastic on regular graphs; ``metropolis=True`` uses Metropolis–Hastings weights so that
     irregular undirected graphs (star, ``from_neighbors``) stay doubly stochastic. With
@@ -211,7 +212,8 @@ def sgp(
 
     The user's parameters are the de-biased model :math:`z_i = x_i / w_i`; the numerator
     :math:`x_i` and the weight :math:`w_i` (1 at start) are internal. Each step, with
-    :math:`W^{(t)}` the column-stochastic mixing matrix of round :math:`t \bmod P`:
+    :math:`W^{(t)}` the column-stochastic mixing matrix of round :math:`s \bmod P` (:math:`s` the step
+    counted from the end of the warm-up):
 
     .. math::
         x_i \leftarrow w_i z_i + \mathrm{inner}(g_i(z_i)), \qquad
@@ -306,11 +308,16 @@ def sgp(
         return sync
 
     def average(x: SyncInput) -> SyncInput:
-        # the true average is Σx / Σw (a mean of the de-biased z_i would be biased)
+        # the true average is Σx / Σw (a mean of the de-biased z_i would be biased), the mass still
+        # in flight (overlap) included: it is folded in here, then nothing stays in flight
         num, treedef = numerator(x)
         state: PushSumState = x.sync_state
-        *sums, total_w = comm.psum([*num, state.ps_weight])
-        in_flight = jax.tree.map(jnp.zeros_like, state.in_flight)  # nothing stays in flight
+        w = state.ps_weight
+        if overlap:
+            late_x, late_w = state.in_flight
+            num, w = [n + lx for n, lx in zip(num, late_x)], w + late_w
+        *sums, total_w = comm.psum([*num, w])
+        in_flight = jax.tree.map(jnp.zeros_like, state.in_flight)
         z = jax.tree.unflatten(treedef, [v / total_w for v in sums])
         state = PushSumState(jnp.ones((), jnp.float32), in_flight)
         return x._replace(local=z, sync_state=state, ledger=x.ledger.record(GLOBAL_KIND))

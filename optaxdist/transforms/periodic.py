@@ -52,7 +52,7 @@ class PeriodicState(NamedTuple):
         schedule's ``k``-th (1-based); ``sync_model_state`` reads it.
       inner_state: the local optimizer's state (per replica).
       sync_state: the synchronizations' own state (anchors, outer optimizer state, residuals).
-      ledger: what was sent (replicated).
+      ledger: what was sent (replicated; per replica with ``ledger_varies``, e.g. gossip).
     """
 
     step: jax.Array
