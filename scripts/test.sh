@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: vmap, 8-device mesh, mpirun -n 2, and 2-process jax.distributed, within 15
-# minutes on 2 cores. `--all` adds the cases marked slow (mpirun -n 4, every checkpointed
-# algorithm under mpirun and jax.distributed, ...); other arguments go to pytest.
+# minutes on 2 cores. `--all` adds the cases marked slow (mpirun -n 4, the size-agnostic harness
+# files under mpirun, every checkpointed algorithm under mpirun and jax.distributed, ...); other
+# arguments go to pytest.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"

@@ -237,6 +237,7 @@ def _script(args: list[str]) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # its train() runs in the default run (the CNN and convergence tests above)
 def test_nnx_example_script_runs():
     out = _script(["examples/nnx_mnist.py", "--steps", "20", "--algorithm", "diloco", "--period", "5"])
     assert "test accuracy (replica 0)" in out
