@@ -111,7 +111,7 @@ def local_sgd(
     check_period("period", period)
     if (local_comm is None) != (local_period is None):
         raise ValueError("give both local_comm and local_period for hierarchical averaging, or neither")
-    if local_period is not None and (check_period("local_period", local_period) and period % local_period):
+    if local_period is not None and period % check_period("local_period", local_period):
         raise ValueError(f"local_period={local_period!r} must divide period={period}")
     check_comm("comm", comm)
     if local_comm is not None:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 
 from optaxdist.accounting import dtype_label, kind_name, payload_bytes
 from optaxdist.agreement import configured
@@ -92,18 +93,6 @@ def sharded_payloads(fragments: Partition, leaves, num_shards: int) -> dict[str,
         block = _block_size(mine, num_shards)
         out[_sharded_kind("reduce_scatter", fragments, f, dtype)] = block * num_shards * dtype.itemsize
         out[_sharded_kind("all_gather", fragments, f, dtype)] = block * dtype.itemsize
-    return out
-
-
-def _flat(leaves) -> jax.Array:
-    return jnp.concatenate([jnp.ravel(x) for x in leaves]) if leaves else jnp.zeros((0,))
-
-
-def _unflat(flat, like) -> list[jax.Array]:
-    out, at = [], 0
-    for x in like:
-        out.append(flat[at : at + x.size].reshape(x.shape).astype(x.dtype))
-        at += x.size
     return out
 
 
@@ -253,7 +242,7 @@ def outer_sync(
         if comm.size != num_shards:
             raise ValueError(f"num_shards={num_shards} must equal the group size {comm.size}")
         block = block_size(leaves)
-        flat = _flat(leaves).astype(flat_dtype(leaves))
+        flat = ravel_pytree(leaves)[0].astype(flat_dtype(leaves))
         padded = jnp.pad(flat, (0, block * num_shards - flat.shape[0]))
         return jax.lax.dynamic_slice(padded, (comm.index() * block,), (block,))
 
@@ -278,7 +267,7 @@ def outer_sync(
             anchor, ledger = state.anchors[f], x.ledger
             reducer_states = list(state.reducer_states)
             if sharded:
-                flat = _flat(jax.tree.leaves(local)).astype(anchor.dtype)
+                flat = ravel_pytree(local)[0].astype(anchor.dtype)
                 padded = jnp.pad(flat, (0, anchor.shape[0] * num_shards - flat.shape[0]))
                 delta = anchor - comm.psum_scatter(padded) / jnp.asarray(num_shards, padded.dtype)
                 ledger = ledger.record(_sharded_kind("reduce_scatter", layout.fragments, f, anchor.dtype))
@@ -313,7 +302,9 @@ def outer_sync(
             anchor, ledger = jax.tree.leaves(state.anchors[f]), x.ledger
             if sharded:
                 block = state.anchors[f]
-                anchor = _unflat(comm.all_gather(block).reshape(-1), [values[i] for i in part])
+                mine = [values[i] for i in part]
+                unravel = ravel_pytree(mine)[1]
+                anchor = unravel(comm.all_gather(block).reshape(-1)[: sum(v.size for v in mine)])
                 ledger = ledger.record(_sharded_kind("all_gather", state.layout.fragments, f, block.dtype))
             for i, a in zip(part, anchor):
                 values[i] = a if blend == 0 else (blend * values[i] + (1 - blend) * a).astype(values[i].dtype)
