@@ -1,15 +1,7 @@
 """optaxdist: distributed, communication-efficient training as composable Optax transformations."""
 
 from optaxdist import compress, topology
-from optaxdist.accounting import (
-    CommLedger,
-    CommStats,
-    KindTotals,
-    comm_stats,
-    dtype_label,
-    kind_name,
-    payload_bytes,
-)
+from optaxdist.accounting import CommLedger, CommStats, KindTotals, comm_stats
 from optaxdist.checkpoint import (
     CheckpointMismatchError,
     rank_directory,
@@ -59,7 +51,7 @@ from optaxdist.transforms.compressed import (
     compressed_allreduce,
     exact_warmup,
 )
-from optaxdist.transforms.daso import DasoEvents, DasoState, daso
+from optaxdist.transforms.daso import DasoEvents, DasoState, HeatQuirks, daso
 from optaxdist.transforms.gossip import (
     PushSumState,
     consensus_distance,
@@ -89,7 +81,7 @@ from optaxdist.transforms.partial import balanced_fragments, partial_average, si
 from optaxdist.transforms.periodic import PeriodicState
 from optaxdist.transforms.powersgd import PowerSgdState, powersgd
 from optaxdist.transforms.sign_sgd import SignSgdState, sign_sgd
-from optaxdist.transforms.singa import SingaSgdState, singa_exponential_decay, singa_sgd
+from optaxdist.transforms.singa import SingaSgdState, singa_sgd
 
 __version__ = "0.1.0"
 
@@ -121,15 +113,14 @@ __all__ = [
     "decentralized_sgd",
     "diloco",
     "diloco_outer_optimizer",
-    "dtype_label",
     "dynamic_loss_scale",
     "DynamicLossScaleState",
     "exact_warmup",
     "ExactWarmupState",
     "global_replica_array",
+    "HeatQuirks",
     "Hierarchy",
     "initialize_multihost",
-    "kind_name",
     "KindTotals",
     "local_sgd",
     "mesh_hierarchy",
@@ -144,7 +135,6 @@ __all__ = [
     "outer_sync",
     "OuterState",
     "partial_average",
-    "payload_bytes",
     "PeriodicState",
     "powersgd",
     "PowerSgdState",
@@ -163,7 +153,6 @@ __all__ = [
     "sign_sgd",
     "SignSgdState",
     "simulate",
-    "singa_exponential_decay",
     "singa_partitions",
     "singa_sgd",
     "SingaSgdState",

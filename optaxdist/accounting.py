@@ -47,17 +47,61 @@ def dtype_label(tree: PyTree, dtype: Any = None) -> str:
     return "+".join(sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(tree)})) or "none"
 
 
-def kind_name(collective: str, tree: PyTree, dtype: Any = None) -> str:
-    """A ledger kind ``"<collective>[<dtype label>]"`` for sending ``tree`` (as ``dtype``)."""
-    return f"{collective}[{dtype_label(tree, dtype)}]"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "permute")
+SCOPES = ("world", "local", "cross")
+
+
+class Kind(str):
+    """A ledger kind: which collective, over which group, what payload; the only way to name one.
+
+    It is the string ``"[<scope>:]<label>[<payload>]"`` (``"all_reduce[float32]"``,
+    ``"local:param_average[bfloat16]"``), so totals are looked up by that text, and it carries its
+    parts as attributes, so code that needs them (the cost model) reads them instead of parsing.
+
+    Attributes:
+      collective: one of ``COLLECTIVES``: the communicator call behind the events.
+      payload: what is sent: a dtype label (``dtype_label``) or a short description.
+      label: the name shown for the events (default: ``collective``), e.g. ``"param_average"``.
+      scope: ``"world"`` (all replicas of the transform's ``comm``), ``"local"`` (the replicas of
+        one node, ``local_comm``) or ``"cross"`` (one replica per node, ``cross_comm``).
+    """
+
+    collective: str
+    payload: str
+    label: str
+    scope: str
+
+    def __new__(cls, collective: str, payload: str, *, label: str | None = None, scope: str = "world"):
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective={collective!r}; allowed: {COLLECTIVES}")
+        if scope not in SCOPES:
+            raise ValueError(f"scope={scope!r}; allowed: {SCOPES}")
+        label = label or collective
+        self = super().__new__(cls, f"{'' if scope == 'world' else scope + ':'}{label}[{payload}]")
+        self.collective, self.payload, self.label, self.scope = collective, payload, label, scope
+        return self
+
+    def __reduce__(self):
+        return _kind, (self.collective, self.payload, self.label, self.scope)
+
+
+def _kind(collective: str, payload: str, label: str, scope: str) -> Kind:
+    return Kind(collective, payload, label=label, scope=scope)
+
+
+def kind_name(
+    collective: str, tree: PyTree, dtype: Any = None, *, label: str | None = None, scope: str = "world"
+) -> Kind:
+    """The ledger ``Kind`` of sending ``tree`` (as ``dtype``) with ``collective``."""
+    return Kind(collective, dtype_label(tree, dtype), label=label, scope=scope)
 
 
 @jax.tree_util.register_pytree_node_class
 class CommLedger:
     """Per-kind event counters (dynamic, int32) with the static payload of one event of each kind.
 
-    Create it in ``init`` with ``CommLedger.create({"all_reduce[float32]": nbytes, ...})`` and call
-    ``record(kind)`` each time the transform calls the communicator with that payload.
+    Create it in ``init`` with ``CommLedger.create({Kind("all_reduce", "float32"): nbytes, ...})``
+    and call ``record(kind)`` each time the transform calls the communicator with that payload.
     """
 
     __slots__ = ("counts", "kinds", "payloads")
@@ -68,15 +112,18 @@ class CommLedger:
         self.payloads = tuple(payloads)
 
     @classmethod
-    def create(cls, payloads: Mapping[str, int]) -> CommLedger:
+    def create(cls, payloads: Mapping[Kind, int]) -> CommLedger:
         kinds = tuple(payloads)
+        for kind in kinds:
+            if not isinstance(kind, Kind):
+                raise TypeError(f"ledger kinds are optaxdist.accounting.Kind values, got {kind!r}")
         return cls(
             tuple(jnp.zeros((), jnp.int32) for _ in kinds),
             kinds,
             tuple(int(payloads[k]) for k in kinds),
         )
 
-    def record(self, kind: str, times: int | jax.Array = 1) -> CommLedger:
+    def record(self, kind: Kind, times: int | jax.Array = 1) -> CommLedger:
         """Count ``times`` more events of ``kind`` (a kind declared at ``create``)."""
         if kind not in self.kinds:
             raise KeyError(f"kind {kind!r} was not declared; declared kinds: {self.kinds}")

@@ -50,10 +50,10 @@ import jax
 import numpy as np
 import optax
 
-from optaxdist.accounting import CommLedger
+from optaxdist.accounting import CommLedger, Kind
 
-DIGEST_KIND = "all_gather[config digest]"
-DESCRIPTION_KIND = "all_gather[config description]"
+DIGEST_KIND = Kind("all_gather", "config digest")
+DESCRIPTION_KIND = Kind("all_gather", "config description")
 DIGEST_BYTES = 32
 PROBE_STEPS = (0, 1, 10, 100, 1000, 10000)
 _MAX_INLINE = 32  # longer sequences and arrays are described by length and digest

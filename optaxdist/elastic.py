@@ -33,7 +33,7 @@ rule            what happens to rows ``x[0..N)`` when going to ``M`` replicas
 Algorithm-specific rules:
 
 * ``PushSumState`` (``sgp``): the parameters become the exact push-sum average
-  ``(Σ_i w_i z_i + Σ_i in_flight_x_i) / (Σ_i w_i + Σ_i in_flight_w_i)`` (what ``global_every``
+  ``(Σ_i w_i z_i + Σ_i in_flight_x_i) / (Σ_i w_i + Σ_i in_flight_w_i)`` (what ``average_period``
   computes), push-sum weights are renormalised to 1, nothing stays in flight.
 * ``OuterState`` with ``num_shards`` (memory-efficient SlowMo/DiLoCo/Streaming DiLoCo): each
   fragment's anchor and outer state blocks are concatenated and re-split into ``M`` blocks of
@@ -63,6 +63,7 @@ import numpy as np
 
 from optaxdist.accounting import CommLedger
 from optaxdist.topology import Topology
+from optaxdist.transforms._checks import find_states
 from optaxdist.transforms.allreduce import AllReduceState, AverageParamsState
 from optaxdist.transforms.averaged_iterate import AveragedIterateState
 from optaxdist.transforms.compressed import CompressedAllReduceState, ExactWarmupState
@@ -86,7 +87,7 @@ RULES: dict[type, dict[str, str | None]] = {
     AverageParamsState: {"average_params_ledger": LEDGER},
     AveragedIterateState: {"average_count": AVERAGE, "averaged_params": AVERAGE},
     CompressedAllReduceState: {"compress_step": REPLICATED, "error": RESIDUAL, "compressed_ledger": LEDGER},
-    ExactWarmupState: {"warmup_step": REPLICATED, "exact_state": INHERIT, "compressed_state": INHERIT},
+    ExactWarmupState: {"step": REPLICATED, "exact_state": INHERIT, "compressed_state": INHERIT},
     PowerSgdState: {
         "powersgd_step": REPLICATED,
         "powersgd_q": REPLICATED,
@@ -357,10 +358,6 @@ def _is_sharded(s: Any) -> bool:
     )
 
 
-def _find(tree, types) -> list:
-    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types)) if isinstance(x, types)]
-
-
 def _check_topology(topology, m: int) -> None:
     if topology is None:
         raise ValueError(
@@ -441,7 +438,7 @@ def resize_replicas(
             raise ValueError(
                 f"new_n={new_n} is not a multiple of node_size={node_size}; allowed: {allowed}, ..."
             )
-    dasos = _find(opt_state, DasoState)
+    dasos = find_states(opt_state, DasoState)
     if dasos:
         if node_size is None:
             raise ValueError(
@@ -453,12 +450,12 @@ def resize_replicas(
                     "DASO has a pending cross-node send (pending_valid): resize at an epoch end, where "
                     "the sync is blocking and nothing is in flight"
                 )
-    if _find(opt_state, GOSSIP_STATES):
+    if find_states(opt_state, GOSSIP_STATES):
         _check_topology(topology, new_n)
 
     leaf_shapes = [jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype) for x in jax.tree.leaves(params)]
     resizer = _Resizer(n, new_n, exact_residuals, leaf_shapes, node_size)
-    sgps = _find(opt_state, PushSumState)
+    sgps = find_states(opt_state, PushSumState)
     if len(sgps) > 1:
         raise ValueError("more than one sgp state in opt_state: the parameters have one push-sum weight")
     if sgps:

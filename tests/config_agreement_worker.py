@@ -93,10 +93,10 @@ def cases(comm, other: bool, n: int):
         "powersgd.rank differs",
     )
     yield (
-        "powersgd start_iter",
-        optax.chain(od.powersgd(comm=comm, start_iter=pick(10, 20)), sgd),
+        "powersgd warmup_steps",
+        optax.chain(od.powersgd(comm=comm, warmup_steps=pick(10, 20)), sgd),
         w,
-        "powersgd.start_iter differs",
+        "powersgd.warmup_steps differs",
     )
     yield (
         "op mean vs sum",
@@ -114,7 +114,7 @@ def cases(comm, other: bool, n: int):
     yield (
         "daso steps_per_epoch",
         od.daso(
-            sgd, local_comm=hier.local, global_comm=hier.cross, steps_per_epoch=pick(10, 12), total_epochs=4
+            sgd, local_comm=hier.local, cross_comm=hier.cross, steps_per_epoch=pick(10, 12), total_epochs=4
         ),
         w,
         "daso.steps_per_epoch differs",

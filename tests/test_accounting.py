@@ -1,5 +1,6 @@
 """Exact communication accounting, checked against the collectives in the compiled HLO."""
 
+import pickle
 import re
 
 import jax
@@ -9,6 +10,7 @@ import optax
 import pytest
 
 import optaxdist as od
+from optaxdist.accounting import Kind, payload_bytes
 from tests.problems import init_params
 
 HLO_DTYPES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "s16": 2, "u8": 1, "pred": 1}
@@ -72,8 +74,9 @@ def test_average_params_and_loss_scale_hlo():
 
 
 def test_counts_are_exact_beyond_float32_range():
-    ledger = od.CommLedger.create({"all_reduce[float32]": 25_000_000 * 4})
-    ledger = ledger.record("all_reduce[float32]", jnp.asarray(2**31 - 1, jnp.int32) - 1)
+    kind = Kind("all_reduce", "float32")
+    ledger = od.CommLedger.create({kind: 25_000_000 * 4})
+    ledger = ledger.record(kind, jnp.asarray(2**31 - 1, jnp.int32) - 1)
     stats = od.comm_stats({"nested": [ledger]})
     assert stats.bytes == (2**31 - 2) * 100_000_000  # 2.1e17: not representable in float32
     assert isinstance(stats.bytes, int)
@@ -97,7 +100,7 @@ def test_nested_states_are_summed_by_kind():
 
 
 def test_disagreeing_replicas_need_an_explicit_replica():
-    ledger = od.CommLedger.create({"k": 3})
+    ledger = od.CommLedger.create({Kind("broadcast", "k"): 3})
     stacked = jax.tree.map(lambda c: jnp.asarray([1, 2], jnp.int32), ledger)
     with pytest.raises(ValueError, match="replica="):
         od.comm_stats(stacked)
@@ -106,7 +109,7 @@ def test_disagreeing_replicas_need_an_explicit_replica():
 
 def test_undeclared_kind_is_an_error():
     with pytest.raises(KeyError, match="not declared"):
-        od.CommLedger.create({"a": 1}).record("b")
+        od.CommLedger.create({Kind("permute", "a"): 1}).record(Kind("permute", "b"))
 
 
 def test_payload_bytes():
@@ -115,5 +118,20 @@ def test_payload_bytes():
         "b": jnp.zeros(5, jnp.int32),
         "c": jax.ShapeDtypeStruct((2, 2), jnp.bfloat16),
     }
-    assert od.payload_bytes(tree) == 48 + 20 + 8
-    assert od.payload_bytes(tree, jnp.float16) == 24 + 20 + 8
+    assert payload_bytes(tree) == 48 + 20 + 8
+    assert payload_bytes(tree, jnp.float16) == 24 + 20 + 8
+
+
+def test_a_kind_is_its_text_and_carries_its_parts():
+    kind = Kind("all_reduce", "bfloat16", label="param_average", scope="local")
+    assert kind == "local:param_average[bfloat16]"
+    assert (kind.collective, kind.payload, kind.label, kind.scope) == (
+        "all_reduce", "bfloat16", "param_average", "local",
+    )  # fmt: skip
+    assert pickle.loads(pickle.dumps(kind)).scope == "local"
+    with pytest.raises(ValueError, match="collective="):
+        Kind("teleport", "float32")
+    with pytest.raises(ValueError, match="scope="):
+        Kind("all_reduce", "float32", scope="global")
+    with pytest.raises(TypeError, match="Kind"):
+        od.CommLedger.create({"all_reduce[float32]": 4})

@@ -228,7 +228,7 @@ def test_exact_warmup_then_compress(harness):
     tx = od.exact_warmup(
         od.compressed_allreduce(compress.top_k(count=1), comm=harness.comm),
         comm=harness.comm,
-        steps=2,
+        warmup_steps=2,
     )
 
     def three(x):
@@ -298,7 +298,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="residual_dtype"):
         od.compressed_allreduce(compress.sign(), comm=comm, residual_dtype=jnp.int32)
     with pytest.raises(ValueError, match="steps="):
-        od.exact_warmup(optax.identity(), comm=comm, steps=-1)
+        od.exact_warmup(optax.identity(), comm=comm, warmup_steps=-1)
 
 
 def test_random_k_picks_uniform_distinct_subsets():

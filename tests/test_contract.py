@@ -56,12 +56,12 @@ TRANSFORMS = {
         lambda **kw: od.exact_warmup(
             od.compressed_allreduce(od.compress.cast("float16"), comm=COMM),
             comm=COMM,
-            **({"steps": 1} | kw),
+            **({"warmup_steps": 1} | kw),
         ),
-        dict(steps=-2),
+        dict(warmup_steps=-2),
     ),
     "powersgd": (
-        lambda **kw: od.powersgd(comm=COMM, **({"rank": 1, "start_iter": 1} | kw)),
+        lambda **kw: od.powersgd(comm=COMM, **({"rank": 1, "warmup_steps": 1} | kw)),
         dict(rank=0),
     ),
     "local_sgd": (
@@ -95,21 +95,21 @@ TRANSFORMS = {
         lambda **kw: od.decentralized_sgd(
             optax.sgd(0.1, momentum=0.9), comm=COMM, **({"topology": od.topology.ring(N)} | kw)
         ),
-        dict(global_every=0),
+        dict(average_period=0),
     ),
     "sgp_overlap": (
         lambda **kw: od.sgp(
             optax.sgd(0.1),
             comm=COMM,
-            **({"topology": od.topology.ring(N, directed=True), "overlap": True, "global_every": 2} | kw),
+            **({"topology": od.topology.ring(N, directed=True), "overlap": True, "average_period": 2} | kw),
         ),
-        dict(ordering="pull"),
+        dict(average_period=0),
     ),
     "daso": (
         lambda **kw: od.daso(
             optax.sgd(0.1, momentum=0.9),
             local_comm=COMM,
-            global_comm=COMM,
+            cross_comm=COMM,
             **({"steps_per_epoch": 2, "total_epochs": 3, "warmup_epochs": 1, "cooldown_epochs": 0} | kw),
         ),
         dict(steps_per_epoch=0),
@@ -118,18 +118,15 @@ TRANSFORMS = {
         lambda **kw: od.daso(
             optax.sgd(0.1),
             local_comm=COMM,
-            global_comm=COMM,
+            cross_comm=COMM,
             **(
                 {
                     "steps_per_epoch": 1,
                     "total_epochs": 3,
                     "warmup_epochs": 0,
                     "cooldown_epochs": 0,
-                    "first_cycle": "heat",
-                    "downcast_in_cycling": False,
                     "downcast": None,
-                    "heat_redundant_broadcast": True,
-                    "merge_weight": "heat",
+                    "heat_quirks": od.HeatQuirks.all(),
                 }
                 | kw
             ),

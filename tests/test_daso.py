@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import optaxdist as od
-from optaxdist.transforms.daso import DasoState, daso
+from optaxdist.transforms.daso import CycleRules, DasoState, HeatQuirks, batch_plan, daso, next_cycle
 from tests.problems import grad_fn, init_params, loss_fn, np_grad, replica_data
 
 LR = 0.05
@@ -277,7 +277,7 @@ def inputs(W, steps, losses=None):
 
 def simulate_daso(N, G, steps, losses=None, pass_value=True, **kw):
     h = od.axis_hierarchy(N, G)
-    tx = daso(optax.sgd(LR), local_comm=h.local, global_comm=h.cross, **kw)
+    tx = daso(optax.sgd(LR), local_comm=h.local, cross_comm=h.cross, **kw)
     run = od.simulate(make_train(tx, steps, pass_value), axis_name=("node", "local"), shape=(N, G))
     return jax.tree.map(np.asarray, run(*inputs(N * G, steps, losses)))
 
@@ -380,7 +380,7 @@ def test_timelines(name, redundant):
         warmup_epochs=0,
         cooldown_epochs=0,
         first_cycle=spec["cycle"],
-        heat_redundant_broadcast=redundant,
+        heat_quirks=HeatQuirks(redundant_broadcast=redundant),
     )
     _, state, (ev, _) = simulate_daso(1, 4, spe, **kw)
     got = [describe(ev, b) for b in range(spe)]
@@ -400,7 +400,7 @@ def test_timelines(name, redundant):
     stats = od.comm_stats(state).by_kind
     bcasts = sum(w.startswith("bcast") for t in want for w in t.split())
     assert stats["local:broadcast[float32]"].collectives == bcasts
-    assert stats["global:all_reduce[bfloat16]"].collectives == 0
+    assert stats["cross:all_reduce[bfloat16]"].collectives == 0
     syncs = sum(f == "on" for f in spec.get("local_sync", "on " * spe).split())
     assert stats["local:all_reduce[float32]"].collectives == syncs
 
@@ -417,12 +417,12 @@ def test_blocking_phase_timeline_and_bytes():
     assert tuple(sched[0, spe - 1]) == (8, 2, 2)  # first cycle from max_global_skips
     p_bytes = sum(v.nbytes for v in init_params().values())
     stats = od.comm_stats(state).by_kind
-    assert stats["global:all_reduce[bfloat16]"] == od.KindTotals(spe, spe * p_bytes // 2)
+    assert stats["cross:all_reduce[bfloat16]"] == od.KindTotals(spe, spe * p_bytes // 2)
     assert stats["local:broadcast[float32]"] == od.KindTotals(spe, spe * p_bytes)
     assert stats["local:all_reduce[float32]"] == od.KindTotals(spe, spe * p_bytes)
-    for kind in ("local:loss_all_reduce[float32]", "global:loss_all_reduce[float32]"):
+    for kind in ("local:loss_all_reduce[float32]", "cross:loss_all_reduce[float32]"):
         assert stats[kind] == od.KindTotals(1, 8)
-    for kind in ("local:agree[int32]", "global:agree[int32]"):
+    for kind in ("local:agree[int32]", "cross:agree[int32]"):
         assert stats[kind] == od.KindTotals(1, 4)
 
 
@@ -432,7 +432,7 @@ def test_merge_by_hand_two_nodes_two_local():
     tx = daso(
         optax.sgd(1.0),
         local_comm=h.local,
-        global_comm=h.cross,
+        cross_comm=h.cross,
         steps_per_epoch=8,
         total_epochs=2,
         warmup_epochs=0,
@@ -460,8 +460,8 @@ def test_merge_by_hand_two_nodes_two_local():
 
 
 OPTION_SETS = {
-    "heat_code": dict(heat_redundant_broadcast=True, merge_weight="heat"),
-    "documented": dict(heat_redundant_broadcast=False, merge_weight="actual"),
+    "heat_code": HeatQuirks(redundant_broadcast=True, stored_merge_weight=True),
+    "documented": HeatQuirks(),
 }
 
 
@@ -470,7 +470,7 @@ def test_trajectory_matches_heat_transcription(options):
     """2 nodes × 2 local, 3 epochs (blocking, then cycling (4, 2, 2) with drifting local replicas
     and a clamped receive, then cool-down), float32 on the wire."""
     N, G, spe, epochs = 2, 2, 12, 3
-    kw = OPTION_SETS[options]
+    quirks = OPTION_SETS[options]
     params, state, (ev, _) = simulate_daso(
         N,
         G,
@@ -481,7 +481,7 @@ def test_trajectory_matches_heat_transcription(options):
         cooldown_epochs=1,
         first_cycle=(4, 2, 2),
         downcast="float32",
-        **kw,
+        heat_quirks=quirks,
     )
     ref = HeatDaso(
         N,
@@ -491,8 +491,8 @@ def test_trajectory_matches_heat_transcription(options):
         warmup=1,
         cooldown=1,
         first_cycle=(4, 2, 2),
-        redundant_bcast=kw["heat_redundant_broadcast"],
-        actual_delay=kw["merge_weight"] == "actual",
+        redundant_bcast=quirks.redundant_broadcast,
+        actual_delay=not quirks.stored_merge_weight,
     )
     want, ref_events, _ = heat_trajectory(ref, spe * epochs)
     for k in want:
@@ -517,7 +517,12 @@ def test_bfloat16_sends_and_heat_float32_cycling():
     )
     for in_cycling in (True, False):
         params, state, (ev, _) = simulate_daso(
-            N, G, spe * epochs, downcast="bfloat16", downcast_in_cycling=in_cycling, **base
+            N,
+            G,
+            spe * epochs,
+            downcast="bfloat16",
+            heat_quirks=HeatQuirks(float32_cycling=not in_cycling),
+            **base,
         )
         ref = HeatDaso(
             N,
@@ -541,14 +546,14 @@ def test_bfloat16_sends_and_heat_float32_cycling():
         p_elems = sum(v.size for v in init_params().values())
         if in_cycling:
             assert low[sent].all()
-            assert "global:all_reduce[float32]" not in stats
+            assert "cross:all_reduce[float32]" not in stats
         else:  # H1 reproduced: bf16 in the blocking epoch, float32 while cycling
             assert low[:spe][sent[:spe]].all() and not low[spe:][sent[spe:]].any()
             cycling_sends = int(sent[spe:].sum())
-            assert stats["global:all_reduce[float32]"] == od.KindTotals(
+            assert stats["cross:all_reduce[float32]"] == od.KindTotals(
                 cycling_sends, cycling_sends * p_elems * 4
             )
-            assert stats["global:all_reduce[bfloat16]"].collectives == spe
+            assert stats["cross:all_reduce[bfloat16]"].collectives == spe
 
 
 def epoch_losses(values, W, spe):
@@ -569,7 +574,7 @@ def test_plateau_cycling_from_the_loss(first_cycle):
         total_epochs=epochs,
         warmup_epochs=warm,
         cooldown_epochs=cool,
-        first_cycle=first_cycle,
+        heat_quirks=HeatQuirks(first_cycle=first_cycle == "heat"),
     )
     _, _, (_, sched) = simulate_daso(N, G, spe * epochs, losses=losses, **kw)
     after_epoch = [tuple(int(v) for v in sched[0, e * spe + spe - 1]) for e in range(epochs)]
@@ -645,7 +650,7 @@ def test_warmup_zero_and_one_device_per_node():
     stats = od.comm_stats(state).by_kind
     assert stats["local:all_reduce[float32]"].collectives == 0
     assert stats["local:broadcast[float32]"].collectives == 0
-    assert stats["global:all_reduce[float32]"].collectives == sum(
+    assert stats["cross:all_reduce[float32]"].collectives == sum(
         any(x.startswith("SEND") for x in e) for _, e in ref_events
     )
 
@@ -656,7 +661,7 @@ def test_frozen_parameters_with_multi_transform():
     h = od.axis_hierarchy(N, G)
     kw = dict(
         local_comm=h.local,
-        global_comm=h.cross,
+        cross_comm=h.cross,
         steps_per_epoch=spe,
         total_epochs=4,
         warmup_epochs=1,
@@ -692,7 +697,7 @@ def test_frozen_parameters_with_multi_transform():
     np.testing.assert_array_equal(a["frozen0"], frozen)  # bit-exact: never sent, never rounded
     for k in ("w", "b"):
         np.testing.assert_array_equal(a[k], b[k])
-    sends = od.comm_stats(state).by_kind["global:all_reduce[bfloat16]"]
+    sends = od.comm_stats(state).by_kind["cross:all_reduce[bfloat16]"]
     p_elems = sum(v.size for v in init_params().values())  # the frozen leaf is not in the payload
     assert sends.collectives > 0 and sends.bytes == sends.collectives * p_elems * 2
 
@@ -705,7 +710,7 @@ def test_same_numbers_on_vmap_and_mesh():
     losses = epoch_losses([3.0, 2.0, 1.0], N * G, spe)
     sim = simulate_daso(N, G, spe * epochs, losses=losses, **kw)
     mh = od.mesh_hierarchy(N, G, devices=jax.devices()[: N * G])
-    tx = daso(optax.sgd(LR), local_comm=mh.local, global_comm=mh.cross, **kw)
+    tx = daso(optax.sgd(LR), local_comm=mh.local, cross_comm=mh.cross, **kw)
     mesh = od.on_mesh(make_train(tx, spe * epochs), mh.mesh)(*inputs(N * G, spe * epochs, losses))
     mesh = jax.tree.map(np.asarray, mesh)
     for k in sim[0]:
@@ -729,7 +734,7 @@ def test_same_numbers_under_mpi(harness):
     )
     losses = epoch_losses([3.0, 2.0], W, spe)
     h = od.mpi_hierarchy(G)
-    tx = daso(optax.sgd(LR), local_comm=h.local, global_comm=h.cross, **kw)
+    tx = daso(optax.sgd(LR), local_comm=h.local, cross_comm=h.cross, **kw)
     got = harness.run(make_train(tx, spe * epochs), *inputs(W, spe * epochs, losses))
     want = simulate_daso(N, G, spe * epochs, losses=losses, **kw)
     for k in want[0]:
@@ -748,7 +753,7 @@ def test_dynamic_loss_scale_composition(order):
     h = od.axis_hierarchy(N, G)
     kw = dict(
         local_comm=h.local,
-        global_comm=h.cross,
+        cross_comm=h.cross,
         steps_per_epoch=spe,
         total_epochs=5,
         warmup_epochs=1,
@@ -806,7 +811,7 @@ def test_nonfinite_gradient_makes_its_node_skip_the_local_step():
     tx = daso(
         optax.sgd(LR),
         local_comm=h.local,
-        global_comm=h.cross,
+        cross_comm=h.cross,
         steps_per_epoch=4,
         total_epochs=2,
         warmup_epochs=1,
@@ -841,7 +846,7 @@ def test_nonfinite_gradient_makes_its_node_skip_the_local_step():
 
 def test_bad_hyperparameters():
     c = od.AxisComm("replica")
-    ok = dict(local_comm=c, global_comm=c, steps_per_epoch=10, total_epochs=5)
+    ok = dict(local_comm=c, cross_comm=c, steps_per_epoch=10, total_epochs=5)
     cases = [
         (dict(steps_per_epoch=0), "steps_per_epoch="),
         (dict(total_epochs=0), "total_epochs="),
@@ -856,13 +861,14 @@ def test_bad_hyperparameters():
         (dict(downcast="int8"), "downcast="),
         (dict(first_cycle="fast"), "first_cycle="),
         (dict(first_cycle=(4, 0, 1)), "first_cycle="),
-        (dict(merge_weight="mean"), "merge_weight="),
     ]
     for bad, match in cases:
         with pytest.raises(ValueError, match=match):
             daso(optax.sgd(0.1), **(ok | bad))
     with pytest.raises(TypeError, match="local_comm"):
         daso(optax.sgd(0.1), **(ok | dict(local_comm="local")))
+    with pytest.raises(TypeError, match="heat_quirks"):
+        daso(optax.sgd(0.1), **(ok | dict(heat_quirks="heat")))
     with pytest.raises(ValueError, match="needs params"):
         tx = daso(optax.sgd(0.1), **ok)
         jax.vmap(lambda p: tx.update(p, tx.init(p)), axis_name="replica")(jnp.ones((2, 3)))
@@ -966,3 +972,58 @@ def test_heat_nonblocking_data_parallel_is_synchronous_sgd(harness):
                 atol=1e-5,
                 rtol=1e-5,
             )
+
+
+def test_batch_plan_of_a_cycling_epoch():
+    """Cycle (4, 2, 2) in an epoch of 12 batches, a send always pending: syncs every 4 batches and
+    on the last one; merges at syncs and 2 batches after a send, except the send of batch 8, whose
+    merge slips to the last batch (the delay is clamped to 1 there, H2)."""
+    plans = [
+        batch_plan(
+            jnp.int32(b),
+            (jnp.int32(4), jnp.int32(2), jnp.int32(2)),
+            local_sync=jnp.asarray(False),
+            pending_valid=jnp.asarray(True),
+            have_previous=jnp.asarray(True),
+            last_batch=11,
+        )
+        for b in range(12)
+    ]
+    where = lambda field: [b for b, p in enumerate(plans) if bool(getattr(p, field))]  # noqa: E731
+    assert where("sync") == [0, 4, 8, 11]
+    assert where("blocking") == [11]
+    assert where("merge") == [0, 2, 4, 6, 8, 11]
+    assert where("broadcast_previous") == where("merge")
+    assert [int(plans[b].wait) for b in (0, 8, 10, 11)] == [2, 2, 1, 0]
+    assert where("local_sync_next") == [3, 7, 10]  # before each sync and the last batch
+
+
+def test_next_cycle_rules():
+    rules = CycleRules(
+        warmup_epochs=1,
+        cooldown_start=10,
+        first_cycle=(4, 1, 1),
+        reset_cycle=(8, 2, 2),
+        reduction_factor=2,
+        patience=2,
+    )
+
+    def step(epoch, cycle, bad, improved=False, have_loss=True):
+        out, bad, best = next_cycle(
+            jnp.int32(epoch),
+            tuple(jnp.int32(c) for c in cycle),
+            jnp.int32(bad),
+            improved=jnp.asarray(improved),
+            have_loss=jnp.asarray(have_loss),
+            rules=rules,
+        )
+        return tuple(int(c) for c in out), int(bad), bool(best)
+
+    assert step(0, (0, 0, 0), 0) == ((0, 0, 0), 0, False)  # warm-up: blocking
+    assert step(1, (0, 0, 0), 0) == ((4, 1, 1), 1, False)  # cycling starts, one bad epoch
+    assert step(3, (4, 1, 1), 2) == ((2, 1, 1), 0, False)  # a plateau halves gs
+    assert step(4, (2, 1, 1), 2) == ((1, 1, 1), 0, False)  # ls and btw stay ≥ 1
+    assert step(5, (1, 1, 1), 2) == ((8, 2, 2), 0, False)  # from gs = 1: reset
+    assert step(6, (8, 2, 2), 2, improved=True) == ((8, 2, 2), 0, True)  # a new best
+    assert step(7, (8, 2, 2), 2, have_loss=False) == ((8, 2, 2), 2, False)  # nothing to judge
+    assert step(10, (8, 2, 2), 0) == ((0, 0, 0), 0, False)  # cool-down: blocking

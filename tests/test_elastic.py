@@ -314,7 +314,7 @@ def test_hierarchical_daso_changes_its_number_of_nodes(nodes):
         tx = od.daso(
             optax.sgd(0.05, momentum=0.9),
             local_comm=h.local,
-            global_comm=h.cross,
+            cross_comm=h.cross,
             steps_per_epoch=spe,
             total_epochs=6,
             warmup_epochs=1,

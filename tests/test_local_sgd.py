@@ -144,7 +144,7 @@ def test_hierarchical_levels():
         for (_, _, bn), want in zip(out, [x, node_mean, x, np.broadcast_to(x.mean(0), x.shape)]):
             np.testing.assert_allclose(bn, want)
         stats = sync_stats(state)
-        assert stats["local_param_average[float32]"].collectives == 1
+        assert stats["local:param_average[float32]"].collectives == 1
         assert stats["param_average[float32]"].collectives == 1
 
 

@@ -83,7 +83,7 @@ def _daso(nonfinite):
     return od.daso(
         optax.sgd(0.1, momentum=0.9),
         local_comm=h.local,
-        global_comm=h.cross,
+        cross_comm=h.cross,
         steps_per_epoch=8,
         total_epochs=4,
         warmup_epochs=0,
@@ -101,9 +101,9 @@ def make(name: str, nonfinite: str, comm):
         "streaming_diloco": lambda: od.streaming_diloco(inner, period=30, num_fragments=2, delay=3, **kw),
         "partial_average": lambda: od.partial_average(inner, partitions=((0,), (1,)), **kw),
         "decentralized_sgd": lambda: od.decentralized_sgd(
-            inner, topology=topology.ring(N), global_every=10, **kw
+            inner, topology=topology.ring(N), average_period=10, **kw
         ),
-        "sgp": lambda: od.sgp(inner, topology=topology.ring(N), global_every=10, **kw),
+        "sgp": lambda: od.sgp(inner, topology=topology.ring(N), average_period=10, **kw),
         "daso": lambda: _daso(nonfinite),
     }[name]()
 

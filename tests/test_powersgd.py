@@ -54,7 +54,7 @@ def test_full_rank_equals_allreduce_mean(harness, warm_start):
     grads = make_grads(harness.n, 3)
     us, errors, _, state, _ = run_updates(
         harness,
-        lambda c: powersgd(comm=c, rank=6, start_iter=0, min_compression_rate=0.1, warm_start=warm_start),
+        lambda c: powersgd(comm=c, rank=6, warmup_steps=0, min_compression_rate=0.1, warm_start=warm_start),
         grads,
     )
     od.assert_replicas_identical(us)
@@ -79,7 +79,7 @@ def test_error_feedback_sent_plus_residual_is_input(harness):
     |u + e_new − (g + e_old)| ≤ 2⁻²⁴ (|u| + |e_new| + |g + e_old|)."""
     n, steps = harness.n, 3
     grads = make_grads(n, steps, seed=1)
-    us, errors, _, _, _ = run_updates(harness, lambda c: powersgd(comm=c, start_iter=0), grads)
+    us, errors, _, _, _ = run_updates(harness, lambda c: powersgd(comm=c, warmup_steps=0), grads)
     # rank 1, rate 2: w (6, 4) and k (6, 5) are compressed; group order k, w (sorted leaf names)
     for gi, name in enumerate(["k", "w"]):
         g = as_matrix(grads[name]).astype(np.float64)
@@ -110,7 +110,7 @@ def test_zero_and_degenerate_gradients_give_no_nan(harness, eps):
     us, errors, qs, _, _ = run_updates(
         harness,
         lambda c: powersgd(
-            comm=c, rank=3, start_iter=0, min_compression_rate=0.1, orthogonalization_epsilon=eps
+            comm=c, rank=3, warmup_steps=0, min_compression_rate=0.1, orthogonalization_epsilon=eps
         ),
         grads,
     )
@@ -127,7 +127,7 @@ def test_zero_and_degenerate_gradients_give_no_nan(harness, eps):
 def test_warmup_steps_are_exact_allreduce(harness):
     n, start = harness.n, 3
     grads = make_grads(n, 5, seed=3)
-    us, errors, _, state, _ = run_updates(harness, lambda c: powersgd(comm=c, start_iter=start), grads)
+    us, errors, _, state, _ = run_updates(harness, lambda c: powersgd(comm=c, warmup_steps=start), grads)
     tx = od.allreduce(comm=harness.comm)
     exact = harness.run(lambda g: jax.lax.map(lambda gt: tx.update(gt, tx.init(gt))[0], g), grads)
     for k in grads:
@@ -165,7 +165,7 @@ def test_trajectory_matches_numpy(harness):
     """Least squares + SGD, rank 1, each replica on its own data, against a float64 NumPy
     PowerSGD started from the Q drawn by init: w (3×2) is compressed, b is averaged exactly."""
     n, steps, lr = harness.n, 8, 0.1
-    kw = dict(rank=1, start_iter=0, min_compression_rate=1.0)  # (3 + 2)·1·1 < 3·2
+    kw = dict(rank=1, warmup_steps=0, min_compression_rate=1.0)  # (3 + 2)·1·1 < 3·2
     tx_factory = lambda c: optax.chain(powersgd(comm=c, **kw), optax.sgd(lr))
     xs, ys = replica_data(n, steps)
     tx = tx_factory(harness.comm)
@@ -210,7 +210,7 @@ def test_same_results_on_every_harness(harness, rank, rtol):
     may be summed in a different order on each backend: float32 rounding, amplified by the
     orthogonalization's conditioning, hence the 1e-5 relative tolerance there."""
     grads = make_grads(harness.n, 4, seed=4)
-    factory = lambda c: powersgd(comm=c, rank=rank, start_iter=1, min_compression_rate=1.0)
+    factory = lambda c: powersgd(comm=c, rank=rank, warmup_steps=1, min_compression_rate=1.0)
     got = run_updates(harness, factory, grads)
     ref = run_updates(VmapHarness(harness.n), factory, grads)
     for a, b in zip(jax.tree.leaves(got[:3]), jax.tree.leaves(ref[:3])):
@@ -220,13 +220,13 @@ def test_same_results_on_every_harness(harness, rank, rtol):
 ACCOUNTING_SHAPES = {"w": (6, 4), "w2": (6, 4), "k": (2, 3, 5), "small": (3, 2), "b": (4,), "s": ()}
 
 
-@pytest.mark.parametrize("dtype, start_iter", [("float32", 0), ("bfloat16", 0), ("float32", 5)])
-def test_accounting_equals_formula_and_compiled_hlo(dtype, start_iter):
+@pytest.mark.parametrize("dtype, warmup_steps", [("float32", 0), ("bfloat16", 0), ("float32", 5)])
+def test_accounting_equals_formula_and_compiled_hlo(dtype, warmup_steps):
     """Rank 1, rate 2: w, w2 (batched together) and k are compressed; (3, 2) fails the rate test
     ((3 + 2)·1·2 ≥ 6) and goes with b and s through the exact all-reduce."""
     n = 8
     mesh = jax.make_mesh((n,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,))
-    tx = powersgd(comm=od.AxisComm("replica"), start_iter=start_iter)
+    tx = powersgd(comm=od.AxisComm("replica"), warmup_steps=warmup_steps)
     params = {k: jnp.ones((n,) + s, dtype) for k, s in ACCOUNTING_SHAPES.items()}
     fn = od.on_mesh(lambda g: tx.update(g, tx.init(g)), mesh)
     _, state = fn(params)
@@ -240,14 +240,14 @@ def test_accounting_equals_formula_and_compiled_hlo(dtype, start_iter):
         "powersgd_q[float32]": q_bytes,
         f"all_reduce[{dtype}]": exact_bytes,
     }
-    if start_iter:
+    if warmup_steps:
         kinds[f"powersgd_warmup[{dtype}]"] = warm_bytes
     ledger = jax.tree.map(lambda c: c[0], state.powersgd_ledger)
     assert dict(zip(ledger.kinds, ledger.payloads)) == kinds
     lowered = hlo_collective_payloads(fn, params)
     text = fn.lower(params).as_text(dialect="hlo")
     n_all_reduce = len(re.findall(r"\ball-reduce(?:-start)?\(", text))
-    if start_iter == 0:
+    if warmup_steps == 0:
         assert od.comm_stats(state).by_kind == {k: od.KindTotals(1, b) for k, b in kinds.items()}
         want = {"f32": p_bytes + q_bytes}
         want[hlo] = want.get(hlo, 0) + exact_bytes
@@ -264,7 +264,7 @@ def test_accounting_equals_formula_and_compiled_hlo(dtype, start_iter):
 def test_batching_same_shapes_changes_nothing_but_the_kernels():
     grads = make_grads(4, 3, seed=5, shapes=ACCOUNTING_SHAPES)
     harness = VmapHarness(4)
-    kw = dict(rank=2, start_iter=0, min_compression_rate=1.0)
+    kw = dict(rank=2, warmup_steps=0, min_compression_rate=1.0)
     a = run_updates(harness, lambda c: powersgd(comm=c, **kw), grads)
     b = run_updates(harness, lambda c: powersgd(comm=c, batch_same_shape=False, **kw), grads)
     assert [q.shape[1:] for q in a[4]] == [(1, 5, 2), (2, 4, 2)]
@@ -279,7 +279,7 @@ def test_world_size_one():
     with compress_single_replica=True."""
     grads = make_grads(1, 2, seed=6)
     harness = VmapHarness(1)
-    us, errors, qs, state, q0 = run_updates(harness, lambda c: powersgd(comm=c, start_iter=0), grads)
+    us, errors, qs, state, q0 = run_updates(harness, lambda c: powersgd(comm=c, warmup_steps=0), grads)
     for k in grads:
         np.testing.assert_array_equal(us[k], grads[k])
     assert all((e == 0).all() for e in errors)
@@ -288,7 +288,7 @@ def test_world_size_one():
     assert od.comm_stats(state).collectives == 0
 
     us, errors, _, state, _ = run_updates(
-        harness, lambda c: powersgd(comm=c, start_iter=0, compress_single_replica=True), grads
+        harness, lambda c: powersgd(comm=c, warmup_steps=0, compress_single_replica=True), grads
     )
     assert np.linalg.matrix_rank(us["w"][0, 0], tol=1e-5) == 1
     e_w = errors[1][0, 0, 0]
@@ -298,7 +298,7 @@ def test_world_size_one():
 
 
 def test_state_on_abstract_shapes_and_bf16_keeps_dtype():
-    tx = powersgd(comm=od.AxisComm("replica"), start_iter=1)
+    tx = powersgd(comm=od.AxisComm("replica"), warmup_steps=1)
     params = {k: jnp.ones(s, jnp.bfloat16) for k, s in SHAPES.items()}
     abstract = jax.eval_shape(tx.init, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
     concrete = tx.init(params)
@@ -342,8 +342,8 @@ def test_bad_hyperparameters_raise_at_construction():
         (dict(rank=0), "rank="),
         (dict(rank=1.5), "rank="),
         (dict(rank=True), "rank="),
-        (dict(start_iter=-1), "start_iter="),
-        (dict(start_iter=2.0), "start_iter="),
+        (dict(warmup_steps=-1), "warmup_steps="),
+        (dict(warmup_steps=2.0), "warmup_steps="),
         (dict(min_compression_rate=0), "min_compression_rate="),
         (dict(min_compression_rate=-2.0), "min_compression_rate="),
         (dict(min_compression_rate=float("nan")), "min_compression_rate="),
@@ -358,7 +358,7 @@ def test_bad_hyperparameters_raise_at_construction():
 
 
 def test_gradients_that_do_not_match_init_are_a_clear_error():
-    tx = powersgd(comm=od.AxisComm("replica"), start_iter=0)
+    tx = powersgd(comm=od.AxisComm("replica"), warmup_steps=0)
     state = tx.init({"w": jnp.ones((6, 4))})
     with pytest.raises(ValueError, match="do not match"):
         jax.vmap(lambda g: tx.update(g, state)[0], axis_name="replica")({"w": jnp.ones((2, 8, 4))})

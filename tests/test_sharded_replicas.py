@@ -43,7 +43,7 @@ TRANSFORMS = {
         od.compressed_allreduce(od.compress.top_k(fraction=0.1), comm=COMM), optax.sgd(0.1)
     ),
     "diloco": lambda: od.diloco(optax.sgd(0.1), comm=COMM, period=2, check_start=False),
-    "powersgd": lambda: optax.chain(od.powersgd(comm=COMM, rank=2, start_iter=1), optax.sgd(0.1)),
+    "powersgd": lambda: optax.chain(od.powersgd(comm=COMM, rank=2, warmup_steps=1), optax.sgd(0.1)),
 }
 
 

@@ -72,7 +72,7 @@ def _compressed(compressor, error_feedback: bool = True, scope: str = "model") -
 def _powersgd(rank: int, error_feedback: bool = True) -> Factory:
     return lambda comm, local, ctx: optax.chain(
         optaxdist.powersgd(
-            comm=comm, rank=rank, start_iter=0, error_feedback=error_feedback, warm_start=True
+            comm=comm, rank=rank, warmup_steps=0, error_feedback=error_feedback, warm_start=True
         ),
         local,
     )
@@ -110,14 +110,14 @@ COMPRESSION_ALGORITHMS: list[Algorithm] = [
         Algorithm(
             f"powersgd-r{r}",
             _powersgd(r),
-            f"PowerSGD rank {r}, error feedback, warm start, start_iter=0",
+            f"PowerSGD rank {r}, error feedback, warm start, warmup_steps=0",
         )
         for r in (1, 2, 4)
     ),
     Algorithm(
         "powersgd-r2-noef",
         _powersgd(2, error_feedback=False),
-        "PowerSGD rank 2 without error feedback, warm start, start_iter=0",
+        "PowerSGD rank 2 without error feedback, warm start, warmup_steps=0",
     ),
 ]
 
@@ -220,7 +220,7 @@ GOSSIP_ALGORITHMS: list[Algorithm] = [
             local,
             comm=comm,
             topology=T.npeer_dynamic_directed_exponential_graph(ctx.replicas),
-            global_every=48,
+            average_period=48,
         ),
         "SGP with an exact global average every 48 steps",
     ),
@@ -248,7 +248,7 @@ HIERARCHICAL_ALGORITHMS: list[Algorithm] = [
         lambda comm, local, ctx: optaxdist.daso(
             local,
             local_comm=ctx.hierarchy.local,
-            global_comm=ctx.hierarchy.cross,
+            cross_comm=ctx.hierarchy.cross,
             steps_per_epoch=max(ctx.steps // 10, 1),
             total_epochs=10,
             warmup_epochs=1,

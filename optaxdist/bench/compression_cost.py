@@ -8,7 +8,7 @@ matrix (``side = round(sqrt(n / matrices))``; 25M → five 2236 × 2236 matrices
 * ``allreduce-fp32`` (``optaxdist.allreduce``): the all-reduce step's compute, the baseline;
 * every compressor of the training table through ``compressed_allreduce`` (error feedback on,
   ``scope="model"`` as in the registry rows; ``sign-vote`` without error feedback as its row);
-* ``powersgd`` rank 1, 2, 4 (error feedback, warm start, ``start_iter=0``), with its default
+* ``powersgd`` rank 1, 2, 4 (error feedback, warm start, ``warmup_steps=0``), with its default
   ``batch_same_shape=True`` and with ``False``, and once more without donating the state;
 * PyTorch's ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook`` on the same
   gradients (a gloo process group of world size 1 and a duck-typed bucket; torch's default
@@ -50,10 +50,12 @@ import numpy as np
 import optax
 
 import optaxdist
+from optaxdist.accounting import Kind
 from optaxdist.bench import cost
 from optaxdist.bench.overhead import hlo_summary
 from optaxdist.comm.base import Communicator
 from optaxdist.comm.solo import SoloComm
+from optaxdist.transforms.powersgd import P_KIND, Q_KIND
 
 C = optaxdist.compress
 
@@ -87,7 +89,7 @@ def _powersgd(rank: int, batch: bool = True):
     return lambda comm: optaxdist.powersgd(
         comm=comm,
         rank=rank,
-        start_iter=0,
+        warmup_steps=0,
         error_feedback=True,
         warm_start=True,
         batch_same_shape=batch,
@@ -229,13 +231,13 @@ class _TorchRunner:
         if timed:
             self.times.append(dt)
 
-    def comm(self) -> dict[str, tuple[int, int]]:
+    def comm(self) -> dict[Kind, tuple[int, int]]:
         """Per-step all-reduces of the hook in the ledger's form, over the compressed calls."""
         k = max(self.calls - self.start_iter, 0)
         return {
-            "powersgd_p[float32]": (k, k * 4 * self.p_numel),
-            "powersgd_q[float32]": (k, k * 4 * self.q_numel),
-            "all_reduce[float32]": (k, k * 4 * self.uncompressed_numel),
+            P_KIND: (k, k * 4 * self.p_numel),
+            Q_KIND: (k, k * 4 * self.q_numel),
+            Kind("all_reduce", "float32"): (k, k * 4 * self.uncompressed_numel),
         }
 
     def describe(self) -> dict[str, Any]:

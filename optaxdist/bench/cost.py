@@ -1,7 +1,8 @@
 r"""An α-β (latency-bandwidth) model of the time the collectives of one step take on a network.
 
-Pure functions, no JAX. A collective moving a buffer of ``S`` bytes between ``n`` replicas costs
-``steps × α + bytes_on_the_busiest_link / B`` with the link's latency ``α`` and bandwidth ``B``:
+Pure functions of Python numbers and ledger kinds. A collective moving a buffer of ``S`` bytes
+between ``n`` replicas costs ``steps × α + bytes_on_the_busiest_link / B`` with the link's latency
+``α`` and bandwidth ``B``:
 
 =====================  ==================================  ===================================
 collective             bandwidth term                      latency term
@@ -24,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from optaxdist.accounting import Kind
+
 
 class Network(NamedTuple):
     """A link: bandwidth in bytes per second (per direction) and per-message latency in seconds."""
@@ -38,25 +41,6 @@ NETWORKS: dict[str, Network] = {
     "100Gb": Network("100Gb", 12.5e9, 5e-6),
     "400Gb": Network("400Gb", 50e9, 3e-6),
     "nvlink": Network("nvlink", 450e9, 1e-6),
-}
-
-#: Which collective a ledger kind uses: the kind's prefix before ``[`` → collective model name.
-#: Algorithms with new ledger kinds add their prefix here.
-KIND_COLLECTIVE: dict[str, str] = {
-    "all_reduce": "all_reduce",
-    "param_average": "all_reduce",
-    "local_param_average": "all_reduce",
-    "inner_state_average": "all_reduce",
-    "anchor_average": "all_reduce",
-    "loss_all_reduce": "all_reduce",
-    "powersgd_p": "all_reduce",
-    "powersgd_q": "all_reduce",
-    "powersgd_warmup": "all_reduce",
-    "agree": "all_reduce",
-    "all_gather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "permute": "permute",
-    "broadcast": "broadcast",
 }
 
 
@@ -106,40 +90,19 @@ def link_for(network: str | Network, nodes: int) -> Network:
     return NETWORKS["nvlink"] if nodes == 1 else get_network(network)
 
 
-#: Ledger kinds of hierarchical transforms name their group: ``"local:..."`` runs among the replicas
-#: of one node, ``"global:..."`` among the nodes (one replica per node). Unscoped kinds run over all
-#: replicas, except ``local_param_average`` (local SGD's node level).
-LOCAL_SCOPE_PREFIXES = ("local_param_average",)
+def collective_of(kind: Kind | str) -> str:
+    """The collective behind a ledger ``Kind``, or a bare collective name (``"all_reduce"``)."""
+    name = kind.collective if isinstance(kind, Kind) else kind
+    if name not in _MODELS:
+        raise ValueError(f"no cost model for {kind!r}: a ledger Kind or one of {sorted(_MODELS)}")
+    return name
 
 
-def scope_of(kind: str) -> tuple[str, str]:
-    """``("local" | "global" | "world", kind without its scope)`` of a ledger kind."""
-    scope, sep, rest = kind.partition(":")
-    if sep and scope in ("local", "global") and "[" not in scope:
-        return scope, rest
-    if kind.split("[", 1)[0] in LOCAL_SCOPE_PREFIXES:
-        return "local", kind
-    return "world", kind
-
-
-def collective_of(kind: str) -> str:
-    """The collective behind a ledger kind such as ``"all_reduce[float32]"`` (its prefix)."""
-    prefix = scope_of(kind)[1].split("[", 1)[0]
-    try:
-        return KIND_COLLECTIVE[prefix]
-    except KeyError:
-        raise ValueError(
-            f"no cost model for ledger kind {kind!r}: add its prefix {prefix!r} to "
-            f"optaxdist.bench.cost.KIND_COLLECTIVE (known: {sorted(KIND_COLLECTIVE)})"
-        ) from None
-
-
-def collective_time(kind: str, payload_bytes: float, n: int, network: str | Network) -> float:
+def collective_time(kind: Kind | str, payload_bytes: float, n: int, network: str | Network) -> float:
     """Modelled seconds for one collective of ledger ``kind`` with ``payload_bytes`` among ``n``.
 
     Args:
-      kind: a ledger kind (``"all_reduce[float32]"``, ``"param_average[bfloat16]"``, ...) or a bare
-        collective name (``"all_reduce"``).
+      kind: a ledger ``Kind`` or a bare collective name (``"all_reduce"``).
       payload_bytes: the buffer one replica hands to the collective (the ledger's payload).
       n: number of replicas taking part; a group of one costs nothing.
       network: a ``Network`` or a name in ``NETWORKS``; this function does not apply the
@@ -158,20 +121,19 @@ def collective_time(kind: str, payload_bytes: float, n: int, network: str | Netw
     return model(float(payload_bytes), n, get_network(network))
 
 
-def group_and_link(kind: str, n: int, nodes: int, network: str | Network) -> tuple[int, Network]:
+def group_and_link(kind: Kind, n: int, nodes: int, network: str | Network) -> tuple[int, Network]:
     """Members and link of the group a ledger kind runs in, for ``n`` replicas on ``nodes`` nodes:
     node-local kinds use ``nvlink`` among ``n / nodes``; cross-node kinds the network among
     ``nodes``; the rest a flat ring over all ``n`` bound by ``link_for(network, nodes)``."""
-    scope = scope_of(kind)[0]
-    if scope == "local":
+    if kind.scope == "local":
         return n // nodes, NETWORKS["nvlink"]
-    if scope == "global":
+    if kind.scope == "cross":
         return nodes, link_for(network, nodes)
     return n, link_for(network, nodes)
 
 
 def comm_time_per_step(
-    by_kind: Mapping[str, tuple[int, int]],
+    by_kind: Mapping[Kind, tuple[int, int]],
     steps: int,
     n: int,
     network: str | Network,
@@ -195,13 +157,12 @@ def comm_time_per_step(
     return total
 
 
-def split_bytes(by_kind: Mapping[str, tuple[int, int]], nodes: int) -> tuple[int, int]:
+def split_bytes(by_kind: Mapping[Kind, tuple[int, int]], nodes: int) -> tuple[int, int]:
     """``(intra-node, inter-node)`` payload bytes: node-local kinds are intra-node; cross-node kinds
     inter-node; flat kinds cross nodes whenever there is more than one node."""
     intra = inter = 0
     for kind, (_, nbytes) in by_kind.items():
-        scope = scope_of(kind)[0]
-        if scope == "local" or (scope == "world" and nodes == 1):
+        if kind.scope == "local" or (kind.scope == "world" and nodes == 1):
             intra += nbytes
         else:
             inter += nbytes

@@ -236,7 +236,7 @@ DASO_SETTINGS = {
 
 def _daso(replicas: int, **options: Any) -> optax.GradientTransformationExtraArgs:
     h = optaxdist.axis_hierarchy(*hierarchy_shape(replicas))
-    return optaxdist.daso(inner(), local_comm=h.local, global_comm=h.cross, **DASO_SETTINGS, **options)
+    return optaxdist.daso(inner(), local_comm=h.local, cross_comm=h.cross, **DASO_SETTINGS, **options)
 
 
 def _gossip_case(name: str, factory: Callable[..., optax.GradientTransformationExtraArgs]) -> Case:
@@ -244,7 +244,7 @@ def _gossip_case(name: str, factory: Callable[..., optax.GradientTransformationE
 
     def build(n: int, **options: Any) -> optax.GradientTransformationExtraArgs:
         ring = optaxdist.topology.ring(n)
-        return factory(inner(), comm=_flat_comm(), topology=ring, global_every=PERIOD, **options)
+        return factory(inner(), comm=_flat_comm(), topology=ring, average_period=PERIOD, **options)
 
     return Case(
         name,
@@ -253,7 +253,7 @@ def _gossip_case(name: str, factory: Callable[..., optax.GradientTransformationE
         {"step": SYNC_T},
         _pmean,
         hand_local=_ring_mix,
-        settings=f"ring, global_every={PERIOD}",
+        settings=f"ring, average_period={PERIOD}",
     )
 
 
@@ -510,7 +510,8 @@ def _check_schedule(case: Case, step: Step, params, local_state, sync_state, gra
 
     def sync_events(state) -> int:
         by_kind = optaxdist.comm_stats(state).by_kind
-        return sum(t.collectives for k, t in by_kind.items() if case.hand_local is None or "global" in k)
+        counted = [t for k, t in by_kind.items() if case.hand_local is None or k.collective == "all_reduce"]
+        return sum(t.collectives for t in counted)
 
     before = sync_events(local_state)
     if sync_events(step(params, local_state, grads)[1]) != before:

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 
 import optaxdist
+from optaxdist.accounting import payload_bytes
 from optaxdist.bench import cost
 from optaxdist.bench.algorithms import (
     DEFAULT_ALGORITHMS,
@@ -197,7 +198,7 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
 
     stats = optaxdist.comm_stats(opt_state)
     by_kind = {k: {"collectives": t.collectives, "bytes": t.bytes} for k, t in stats.by_kind.items()}
-    fp32_bytes = optaxdist.payload_bytes(params0, jnp.float32) * cfg.steps
+    fp32_bytes = payload_bytes(params0, jnp.float32) * cfg.steps
     compute_s = statistics.median(per_step_s) / n
     totals = {k: (t.collectives, t.bytes) for k, t in stats.by_kind.items()}
     comm_s = cost.comm_time_per_step(totals, cfg.steps, n, cfg.network, nodes=nodes)
@@ -284,7 +285,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             "kind": type(model).__name__,
             "hidden": list(cfg.hidden),
             "parameters": n_params,
-            "param_bytes_fp32": optaxdist.payload_bytes(params0, jnp.float32),
+            "param_bytes_fp32": payload_bytes(params0, jnp.float32),
         },
         "cost_model": {
             "network": link.name,

@@ -1,12 +1,30 @@
-"""Checks shared by the transforms: SGD hyperparameters, floating-point leaves, finite local steps."""
+"""Shared by the transforms: hyperparameter checks, finite local steps, finding sub-states."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from optaxdist.accounting import keep_ledgers
+
+
+def find_states(tree: Any, cls: type | tuple[type, ...]) -> list:
+    """Every node of type ``cls`` in a (nested) optimizer state, outermost first, those nested in
+    another one included (``dynamic_loss_scale(daso(dynamic_loss_scale(...)))``)."""
+    found = []
+
+    def visit(x):
+        if isinstance(x, cls):
+            found.append(x)
+        for node in jax.tree.leaves(x, is_leaf=lambda y: y is not x and isinstance(y, cls)):
+            if isinstance(node, cls):
+                visit(node)
+
+    visit(tree)
+    return found
 
 
 def all_finite(tree) -> jax.Array:
@@ -36,6 +54,14 @@ def check_float_leaves(tree, transform: str) -> None:
                 f"{transform} averages parameters: every leaf must be floating point, got "
                 f"{jnp.result_type(x).name} at {jax.tree_util.keystr(path) or 'the root'}"
             )
+
+
+def check_warmup_steps(warmup_steps: object) -> int:
+    """Validate ``warmup_steps=`` (every transform's warm-up: exact all-reduce steps before the
+    algorithm starts, counted from the first update)."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps={warmup_steps!r} must be an int ≥ 0")
+    return warmup_steps
 
 
 NONFINITE_POLICIES = ("skip", "ignore")

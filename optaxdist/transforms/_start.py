@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from optaxdist._compat import manual_axes
-from optaxdist.accounting import CommLedger, per_replica
+from optaxdist.accounting import CommLedger, Kind, per_replica
 from optaxdist.comm.base import Communicator
 
-CHECK_KIND = "broadcast[start check]"
+CHECK_KIND = Kind("broadcast", "start check")
 
 
 def _bit_words(x: jax.Array) -> jax.Array:
@@ -41,7 +41,7 @@ def fingerprint(tree: Any) -> jax.Array:
     return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
 
 
-def start_kinds(check_start: bool, params: Any) -> dict[str, int]:
+def start_kinds(check_start: bool, params: Any) -> dict[Kind, int]:
     """Ledger kind of the one-time check: a broadcast of one uint32 per leaf, and a 4-byte vote."""
     return {CHECK_KIND: 4 * len(jax.tree.leaves(params)) + 4} if check_start else {}
 

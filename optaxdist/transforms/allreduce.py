@@ -164,7 +164,7 @@ def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTr
         raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
 
     def init_fn(params):
-        kind = kind_name("param_average", params, wire_dtype)
+        kind = kind_name("all_reduce", params, wire_dtype, label="param_average")
         return AverageParamsState(CommLedger.create({kind: payload_bytes(params, wire_dtype)}))
 
     def update_fn(updates, state, params=None, **extra):
@@ -174,7 +174,7 @@ def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTr
         local = optax.apply_updates(params, updates)
         averaged = comm.pmean(local, dtype=wire_dtype)
         new_updates = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), averaged, params)
-        kind = kind_name("param_average", params, wire_dtype)
+        kind = kind_name("all_reduce", params, wire_dtype, label="param_average")
         return new_updates, AverageParamsState(state.average_params_ledger.record(kind))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

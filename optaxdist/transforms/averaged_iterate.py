@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxdist.agreement import configured
+from optaxdist.transforms._checks import find_states
 
 
 class AveragedIterateState(NamedTuple):
@@ -70,11 +71,7 @@ def averaged_iterate(shift: float) -> optax.GradientTransformationExtraArgs:
 
 def averaged_params(opt_state: Any) -> optax.Params:
     """The weighted average kept by the (single) ``averaged_iterate`` in a nested optimizer state."""
-    found = [
-        s
-        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AveragedIterateState))
-        if isinstance(s, AveragedIterateState)
-    ]
+    found = find_states(opt_state, AveragedIterateState)
     if len(found) != 1:
         raise ValueError(f"found {len(found)} averaged_iterate states in opt_state; expected one")
     return found[0].averaged_params

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from optaxdist.accounting import CommLedger, payload_bytes, per_replica
+from optaxdist.accounting import CommLedger, Kind, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, divides_first
 from optaxdist.compress.base import Compressor
+from optaxdist.transforms._checks import check_warmup_steps
 from optaxdist.transforms.allreduce import allreduce
 
 SCOPES = ("leaf", "model")
@@ -112,7 +113,7 @@ def compressed_allreduce(
     residual_dtype = jnp.dtype(residual_dtype)
     if not jnp.issubdtype(residual_dtype, jnp.floating):
         raise ValueError(f"residual_dtype={residual_dtype} must be a floating-point dtype")
-    kind = f"{compressor.exchange}[{compressor.name}]"
+    kind = Kind(compressor.exchange, compressor.name)
 
     def vectors_of(tree):
         """The flat float vectors to compress, and the function that rebuilds the tree."""
@@ -173,9 +174,10 @@ def compressed_allreduce(
 
 
 class ExactWarmupState(NamedTuple):
-    """State of ``exact_warmup``: the step counter (replicated) and both transforms' states."""
+    """State of ``exact_warmup``: the step counter (replicated, saturating) and both transforms'
+    states."""
 
-    warmup_step: jax.Array
+    step: jax.Array
     exact_state: optax.OptState
     compressed_state: optax.OptState
 
@@ -185,39 +187,39 @@ def exact_warmup(
     compressed: optax.GradientTransformation,
     *,
     comm: Communicator,
-    steps: int,
+    warmup_steps: int,
     dtype: Any = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """Exact all-reduce for the first ``steps`` steps, then ``compressed`` (its state untouched
+    """Exact all-reduce for the first ``warmup_steps`` steps, then ``compressed`` (its state untouched
     until then, so error feedback starts from zero).
 
     One knob for what the originals scatter: PyTorch PowerSGD's ``start_powerSGD_iter``, DGC's
     warm-up, post-local SGD's switch point.
 
-    Communication: on steps ``< steps`` one all-reduce of every gradient element in ``dtype``
+    Communication: on steps ``< warmup_steps`` one all-reduce of every gradient element in ``dtype``
     (ledger ``"all_reduce[...]"``); afterwards whatever ``compressed`` sends. The switch is a
     ``lax.cond`` on a replicated counter, so only one of the two communicates on any step.
 
     Args:
       compressed: the transform to use after the warm-up (e.g. ``compressed_allreduce(...)``).
       comm: the group of replicas.
-      steps: number of exact steps (≥ 0).
+      warmup_steps: number of exact steps (≥ 0), as everywhere in optaxdist (``local_sgd``,
+        ``diloco``, ``powersgd``, ...): steps counted from the first update.
       dtype: wire dtype of the exact all-reduce (None: the gradient's dtype).
     """
-    if not isinstance(steps, int) or steps < 0:
-        raise ValueError(f"steps={steps!r} must be an int ≥ 0")
+    check_warmup_steps(warmup_steps)
     exact = allreduce(comm=comm, dtype=dtype)
     compressed = optax.with_extra_args_support(compressed)
 
     def init_fn(params):
         return ExactWarmupState(
-            warmup_step=jnp.zeros((), jnp.int32),
+            step=jnp.zeros((), jnp.int32),
             exact_state=per_replica(exact.init(params), comm),
             compressed_state=per_replica(compressed.init(params), comm),
         )
 
     def update_fn(updates, state, params=None, **extra):
-        warmup_step = comm.uniform(state.warmup_step)  # keeps the choice a branch under simulate
+        step = comm.uniform(state.step)  # keeps the choice a branch under simulate
 
         # Both branches mark their outputs per-replica so they have the same type on a mesh.
         def run_exact(_):
@@ -230,10 +232,10 @@ def exact_warmup(
             return per_replica((u, state.exact_state, s), comm)
 
         out, exact_state, compressed_state = jax.lax.cond(
-            warmup_step < steps, run_exact, run_compressed, None
+            step < warmup_steps, run_exact, run_compressed, None
         )
         return out, ExactWarmupState(
-            warmup_step=jnp.minimum(warmup_step, steps) + 1,
+            step=optax.safe_increment(step),
             exact_state=exact_state,
             compressed_state=compressed_state,
         )

@@ -7,8 +7,9 @@ with a weight that favours the receiver's newer parameters. An epoch-level state
 cycling with a plateau detector on the training loss, cool-down) chooses how often to sync.
 
 Everything Heat keeps on the host lives here in the optimizer state: the user calls ``update``
-once per batch, passing the batch loss as ``value=``. All collectives sit inside ``lax.cond`` /
-``lax.switch`` on replicated counters.
+once per batch, passing the batch loss as ``value=``. The schedule is two pure functions of
+replicated scalars, ``batch_plan`` (what this batch does) and ``next_cycle`` (the epoch-end state
+machine); ``daso`` runs the collectives they ask for inside ``lax.cond`` / ``lax.switch``.
 """
 
 from __future__ import annotations
@@ -20,20 +21,45 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
+from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import check_nonfinite, local_step
+from optaxdist.transforms.periodic import check_comm
 
 NO_GROUP = -1
-FIRST_CYCLES = ("max_global_skips", "heat")
-MERGE_WEIGHTS = ("actual", "heat")
-HEAT_FIRST_CYCLE = (4, 1, 1)
 
-LOSS_LOCAL_KIND = "local:loss_all_reduce[float32]"
-LOSS_GLOBAL_KIND = "global:loss_all_reduce[float32]"
-AGREE_LOCAL_KIND = "local:agree[int32]"
-AGREE_GLOBAL_KIND = "global:agree[int32]"
+LOSS_KINDS = tuple(
+    Kind("all_reduce", "float32", label="loss_all_reduce", scope=s) for s in ("local", "cross")
+)
+AGREE_KINDS = tuple(Kind("all_reduce", "int32", label="agree", scope=s) for s in ("local", "cross"))
+
+
+class HeatQuirks(NamedTuple):
+    """Where Heat's code departs from its documentation (``seeds_spec.md``, H1–H3 and H6). Off by
+    default; ``HeatQuirks.all()`` reproduces Heat's code, single fields isolate one quirk.
+
+    Attributes:
+      float32_cycling: (H1) ``downcast`` only in blocking phases; cycling sends float32.
+      stored_merge_weight: (H2) the merge weighs the receiver's parameters by the ``B`` stored at
+        send time (1 instead of 0), not by the batches actually elapsed (smaller near the epoch end).
+      redundant_broadcast: (H3) at every non-blocking-phase global sync, broadcast within the node
+        from the previous sending group even when its send was already merged.
+      first_cycle: (H6) cycling starts at ``(gs, ls, btw) = (4, 1, 1)`` instead of
+        ``(max_global_skips, max_global_skips // local_skip_factor, same)``.
+    """
+
+    float32_cycling: bool = False
+    stored_merge_weight: bool = False
+    redundant_broadcast: bool = False
+    first_cycle: bool = False
+
+    @classmethod
+    def all(cls) -> HeatQuirks:
+        return cls(True, True, True, True)
+
+
+HEAT_FIRST_CYCLE = (4, 1, 1)
 
 
 class DasoEvents(NamedTuple):
@@ -48,7 +74,7 @@ class DasoEvents(NamedTuple):
       merged_wait: the ``B`` stored with the merged send.
       merged_delay: batches actually elapsed since the merged send.
       merge_broadcast_root: local index broadcast within the node after the merge (or, with
-        ``heat_redundant_broadcast``, without a merge).
+        the redundant-broadcast quirk, without a merge).
       averaged_group: local index whose group did a blocking average, then broadcast it in the node.
       ended_epoch: this was the last batch of an epoch.
     """
@@ -114,8 +140,113 @@ class DasoState(NamedTuple):
     daso_ledger: CommLedger
 
 
-def _i32(x) -> jax.Array:
-    return jnp.asarray(x, jnp.int32)
+class BatchPlan(NamedTuple):
+    """What batch ``b`` of an epoch does (``batch_plan``; replicated scalars).
+
+    Attributes:
+      sync: a global sync: this step's parameters are summed over ``cross_comm``.
+      blocking: the sync is averaged at once (``btw = 0`` or the last batch), not merged later.
+      wait: ``B``, batches from the send to its merge (``btw`` clamped to the epoch's end).
+      merge: the pending send is merged on this step.
+      broadcast_previous: the previous sending group broadcasts within the node on this step.
+      local_sync_next: the next step's gradients are averaged over the node.
+    """
+
+    sync: jax.Array
+    blocking: jax.Array
+    wait: jax.Array
+    merge: jax.Array
+    broadcast_previous: jax.Array
+    local_sync_next: jax.Array
+
+
+def batch_plan(
+    b: jax.Array,
+    cycle: tuple[jax.Array, jax.Array, jax.Array],
+    *,
+    local_sync: jax.Array,
+    pending_valid: jax.Array,
+    have_previous: jax.Array,
+    last_batch: int,
+    redundant_broadcast: bool = False,
+) -> BatchPlan:
+    """Heat's per-batch rules (``DASO.step`` / ``_global_sync``) for batch ``b`` of an epoch whose
+    last batch is ``last_batch``, in the cycle ``(gs, ls, btw)``; ``local_sync`` says whether this
+    batch's gradients were averaged over the node."""
+    gs, ls, btw = cycle
+    wait = jnp.where(btw + b <= last_batch, btw, last_batch - b)
+    nb = b + 1
+    gmod = jnp.where(gs > 0, b % jnp.maximum(gs, 1), 0)
+    lmod = jnp.where(ls > 0, b % jnp.maximum(ls, 1), 0)
+    last = b == last_batch
+    sync = last | (gmod == 0)
+    before_sync = ~sync & (nb % jnp.maximum(gs, 1) == 0)
+    waiting = ~sync & ~before_sync & (gmod < wait)
+    receive_in_step = ~sync & ~before_sync & ~waiting & (gmod == wait)
+    try_receive = receive_in_step | (sync & (btw != 0))
+
+    rest = jnp.where(receive_in_step & (ls > 1), False, local_sync)
+    rest = jnp.where(lmod == 0, False, jnp.where(nb % jnp.maximum(ls, 1) == 0, True, rest))
+    rest = jnp.where(nb == last_batch, True, rest)
+    rest = jnp.where((ls == 1) & (nb != last_batch), True, rest)
+    local_sync_next = jnp.where(
+        sync,
+        local_sync,
+        jnp.where(before_sync, True, jnp.where(waiting, local_sync | (nb == last_batch), rest)),
+    )
+    return BatchPlan(
+        sync=sync,
+        blocking=sync & (last | (btw == 0)),
+        wait=wait,
+        merge=try_receive & pending_valid,
+        broadcast_previous=try_receive & have_previous & (pending_valid | redundant_broadcast),
+        local_sync_next=local_sync_next,
+    )
+
+
+class CycleRules(NamedTuple):
+    """The static parameters of ``next_cycle``."""
+
+    warmup_epochs: int
+    cooldown_start: int
+    first_cycle: tuple[int, int, int]
+    reset_cycle: tuple[int, int, int]
+    reduction_factor: int
+    patience: int
+
+
+def next_cycle(
+    epoch: jax.Array,
+    cycle: tuple[jax.Array, jax.Array, jax.Array],
+    bad_epochs: jax.Array,
+    *,
+    improved: jax.Array,
+    have_loss: jax.Array,
+    rules: CycleRules,
+) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array, jax.Array]:
+    """The cycle ``(gs, ls, btw)`` for epoch ``epoch``, the count of non-improving epochs, and
+    whether the mean loss of the epoch just ended is the new best (``improved``: the plateau
+    detector's verdict on it, if ``have_loss``).
+
+    Blocking ``(0, 0, 0)`` in the warm-up and cool-down; ``first_cycle`` when cycling starts; after
+    more than ``patience`` non-improving epochs, ``gs //= f, ls //= f, btw −= 1`` (``ls, btw ≥ 1``
+    while ``gs > 0``), or from ``gs = 1`` back to ``reset_cycle``.
+    """
+    blocking = (epoch < rules.warmup_epochs) | (epoch >= rules.cooldown_start)
+    start = epoch == rules.warmup_epochs
+    gs, ls, btw = (jnp.where(start, first, now) for first, now in zip(rules.first_cycle, cycle))
+    feed = ~blocking & have_loss
+    bad = jnp.where(feed, jnp.where(improved, 0, bad_epochs + 1), bad_epochs)
+    plateau = feed & (bad > rules.patience)
+    f = rules.reduction_factor
+    reduced_gs = gs // f
+    floor = jnp.where(reduced_gs > 0, 1, 0)
+    reduced = (reduced_gs, jnp.maximum(ls // f, floor), jnp.maximum(btw - 1, floor))
+    out = tuple(
+        jnp.where(blocking, 0, jnp.where(plateau & (gs > 1), r, jnp.where(plateau & (gs == 1), z, c)))
+        for r, z, c in zip(reduced, rules.reset_cycle, (gs, ls, btw))
+    )
+    return out, jnp.where(plateau, 0, bad), feed & improved
 
 
 def _storage_dtype(dtype) -> jnp.dtype:
@@ -129,12 +260,27 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ValueError(f"{name}={value!r} must be an int ≥ {low}")
 
 
+def _check_cycle(first_cycle: Any) -> tuple[int, int, int]:
+    cycle = tuple(first_cycle) if isinstance(first_cycle, (tuple, list)) else ()
+    if (
+        len(cycle) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in cycle)
+        or cycle[0] < 1
+        or cycle[1] < 1
+        or cycle[2] < 0
+    ):
+        raise ValueError(
+            f"first_cycle={first_cycle!r} must be None or a tuple of ints (gs ≥ 1, ls ≥ 1, btw ≥ 0)"
+        )
+    return cycle
+
+
 @configured("daso")
 def daso(
     inner: optax.GradientTransformation,
     *,
     local_comm: Communicator,
-    global_comm: Communicator,
+    cross_comm: Communicator,
     steps_per_epoch: int,
     total_epochs: int,
     warmup_epochs: int = 4,
@@ -145,24 +291,22 @@ def daso(
     local_skip_factor: int = 4,
     plateau_patience: int = 2,
     downcast: Any = "bfloat16",
-    downcast_in_cycling: bool = True,
-    first_cycle: str | tuple[int, int, int] = "max_global_skips",
-    heat_redundant_broadcast: bool = False,
-    merge_weight: str = "actual",
+    first_cycle: tuple[int, int, int] | None = None,
+    heat_quirks: HeatQuirks | None = None,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
     r"""DASO (Heat): node-local gradient averaging plus delayed, selective cross-node parameter merges.
 
-    Replicas form ``N`` nodes of ``G`` (``global_comm`` = the replicas with my local index on every
+    Replicas form ``N`` nodes of ``G`` (``cross_comm`` = the replicas with my local index on every
     node, Heat's group ``C_k``; ``local_comm`` = my node). Each ``update`` is one batch ``b`` of
     an epoch of ``steps_per_epoch`` batches (``L = steps_per_epoch − 1``), with the schedule
-    ``(gs, ls, btw)`` in the state:
+    ``(gs, ls, btw)`` in the state (``batch_plan``):
 
     1. If the previous step set ``local_sync_next``: :math:`g \leftarrow \frac1G\sum_{node} g`.
     2. Local step: :math:`p \leftarrow p + \mathrm{inner}(g)`.
     3. **Global sync** on batches with ``b mod gs = 0`` and on the last batch (every batch when
        ``gs = 0``): group ``k = send_group`` *sends* :math:`S = \sum_{n} p_{n,k}` (all-reduce over
-       ``global_comm`` in ``downcast``), to be merged after
+       ``cross_comm`` in ``downcast``), to be merged after
        :math:`B = \min(btw, L - b)` batches. Non-blocking (``btw > 0`` and not the last batch):
        the group rotates, ``k ← (k+1) mod G``. Blocking (``btw = 0`` or the last batch):
        :math:`p \leftarrow S / N` on group ``k``, broadcast within each node from local index ``k``.
@@ -171,18 +315,17 @@ def daso(
 
        .. math:: p \leftarrow \frac{2D\,p + S}{2D + N}
 
-       with :math:`D` the batches elapsed since the send (``merge_weight="actual"``) or the stored
-       :math:`B` (``"heat"``; 1 instead of 0). The receiver's newer parameters weigh :math:`2D`,
-       each node's stale copy (its own included) weighs 1.
+       with :math:`D` the batches elapsed since the send. The receiver's newer parameters weigh
+       :math:`2D`, each node's stale copy (its own included) weighs 1.
     5. Intra-node gradient averaging for the next step: on in blocking phases; in cycling on
        batches ``b mod ls = 0``, around global syncs and on the last batch (Heat's rules).
     6. **Epoch end** (last batch): every replica holds the same parameters; the mean of the
        epoch's ``value=`` losses over all replicas feeds a plateau detector (relative threshold
-       ``stability_level``, patience ``plateau_patience``). Epochs ``< warmup_epochs`` and the last
-       ``cooldown_epochs`` are blocking (``gs = ls = btw = 0``); cycling starts at ``first_cycle``;
-       on a plateau ``gs //= f, ls //= f, btw −= 1`` (``f = skip_reduction_factor``, ``ls, btw ≥ 1``
-       while ``gs > 0``), and from ``gs = 1`` a plateau resets to
-       ``(max_global_skips, max_global_skips // local_skip_factor, same)``.
+       ``stability_level``, patience ``plateau_patience``) and ``next_cycle``: epochs
+       ``< warmup_epochs`` and the last ``cooldown_epochs`` are blocking (``gs = ls = btw = 0``);
+       cycling starts at ``first_cycle``; on a plateau ``gs //= f, ls //= f, btw −= 1``
+       (``f = skip_reduction_factor``, ``ls, btw ≥ 1`` while ``gs > 0``), and from ``gs = 1`` a
+       plateau resets to ``(max_global_skips, max_global_skips // local_skip_factor, same)``.
 
     Pass the batch loss as ``update(grads, state, params, value=loss)``; without it the plateau
     detector is not fed and the cycle stays at ``first_cycle``. The update is ``target − params``.
@@ -191,18 +334,18 @@ def daso(
       * intra-node (``local_comm``): a gradient all-reduce of ``P`` on local-sync steps
         (``local:all_reduce[<dtype>]``); a parameter broadcast of ``P`` after every merge and
         blocking average (``local:broadcast[<dtype>]``).
-      * cross-node (``global_comm``): on every global sync one all-reduce of ``P_w``
-        (``global:all_reduce[<wire>]``). SPMD runs it in all ``G`` groups at once and keeps group
+      * cross-node (``cross_comm``): on every global sync one all-reduce of ``P_w``
+        (``cross:all_reduce[<wire>]``). SPMD runs it in all ``G`` groups at once and keeps group
         ``k``'s result, so each replica sends ``P_w`` per sync (Heat: one GPU per node does).
-      * once per epoch: the loss (8 bytes) over ``local_comm`` then ``global_comm``
-        (``local:loss_all_reduce[float32]``, ``global:loss_all_reduce[float32]``) and the plateau
-        decision (4 bytes, ``local:agree[int32]``, ``global:agree[int32]``).
+      * once per epoch: the loss (8 bytes) over ``local_comm`` then ``cross_comm``
+        (``local:loss_all_reduce[float32]``, ``cross:loss_all_reduce[float32]``) and the plateau
+        decision (4 bytes, ``local:agree[int32]``, ``cross:agree[int32]``).
       Groups of one send nothing and count nothing.
 
     Args:
       inner: the local optimizer (Heat: torch SGD).
       local_comm: the replicas of my node (``Hierarchy.local``); ``G`` = its size.
-      global_comm: the replicas with my local index on every node (``Hierarchy.cross``).
+      cross_comm: the replicas with my local index on every node (``Hierarchy.cross``).
       steps_per_epoch: batches per epoch (Heat ``last_batch + 1``).
       total_epochs: planned epochs (places the cool-down).
       warmup_epochs: blocking epochs at the start (Heat 4); 0 starts cycling at once.
@@ -214,15 +357,11 @@ def daso(
       plateau_patience: non-improving epochs tolerated before a plateau (Heat 2: the third one).
       downcast: wire dtype of the cross-node sum: ``"bfloat16"`` (Heat), ``"float16"``,
         ``"float32"`` or None (the parameters' dtype).
-      downcast_in_cycling: use ``downcast`` in every phase, as Heat documents. False reproduces
-        Heat's code: ``downcast`` only in blocking phases, float32 while cycling (H1).
-      first_cycle: ``(gs, ls, btw)`` when cycling starts: ``"max_global_skips"`` (Heat's docs:
-        ``(max_gs, max_gs // local_skip_factor, same)``), ``"heat"`` (Heat's code: ``(4, 1, 1)``)
-        or an explicit tuple.
-      heat_redundant_broadcast: reproduce Heat's broadcast from the previous sending group at every
-        global sync even when its send was already merged (H3).
-      merge_weight: ``"actual"`` (batches elapsed since the send) or ``"heat"`` (the stored ``B``,
-        which can be smaller near the epoch end, H2).
+      first_cycle: ``(gs, ls, btw)`` when cycling starts (None: ``(max_global_skips,
+        max_global_skips // local_skip_factor, same)``, as Heat documents).
+      heat_quirks: reproduce Heat's code where it departs from its documentation
+        (``HeatQuirks.all()``, or single quirks; see ``HeatQuirks``). An explicit ``first_cycle``
+        wins over the ``first_cycle`` quirk.
       nonfinite: a local step whose update is not finite is skipped (``"skip"``, the default: zero
         update, inner state kept; the local step follows the node's gradient average, so one bad
         gradient makes its node skip) or applied as it is (``"ignore"``, no cost).
@@ -232,7 +371,7 @@ def daso(
 
     Example:
       >>> h = optaxdist.axis_hierarchy(2, 4)
-      >>> tx = daso(optax.sgd(0.1), local_comm=h.local, global_comm=h.cross,
+      >>> tx = daso(optax.sgd(0.1), local_comm=h.local, cross_comm=h.cross,
       ...           steps_per_epoch=100, total_epochs=90)
       >>> updates, state = tx.update(grads, state, params, value=loss)  # doctest: +SKIP
 
@@ -241,17 +380,19 @@ def daso(
       selective optimization (DASO)", Journal of Big Data 9, 2022 (arXiv:2104.05588).
       Heat ``heat.optim.DASO``.
     """
-    for name, c in (("local_comm", local_comm), ("global_comm", global_comm)):
-        if not isinstance(c, Communicator):
-            raise TypeError(f"{name} must be an optaxdist Communicator, got {type(c).__name__}")
-    _check_int("steps_per_epoch", steps_per_epoch, 1)
-    _check_int("total_epochs", total_epochs, 1)
-    _check_int("warmup_epochs", warmup_epochs, 0)
-    _check_int("cooldown_epochs", cooldown_epochs, 0)
-    _check_int("max_global_skips", max_global_skips, 1)
-    _check_int("skip_reduction_factor", skip_reduction_factor, 2)
-    _check_int("local_skip_factor", local_skip_factor, 1)
-    _check_int("plateau_patience", plateau_patience, 0)
+    check_comm("local_comm", local_comm)
+    check_comm("cross_comm", cross_comm)
+    for name, value, low in (
+        ("steps_per_epoch", steps_per_epoch, 1),
+        ("total_epochs", total_epochs, 1),
+        ("warmup_epochs", warmup_epochs, 0),
+        ("cooldown_epochs", cooldown_epochs, 0),
+        ("max_global_skips", max_global_skips, 1),
+        ("skip_reduction_factor", skip_reduction_factor, 2),
+        ("local_skip_factor", local_skip_factor, 1),
+        ("plateau_patience", plateau_patience, 0),
+    ):
+        _check_int(name, value, low)
     if max_global_skips // local_skip_factor < 1:
         raise ValueError(
             f"max_global_skips={max_global_skips} < local_skip_factor={local_skip_factor} gives "
@@ -262,86 +403,70 @@ def daso(
         raise ValueError(f"stability_level={stability_level!r} must be in [0, 1)")
     low = canonical_comm_dtype(downcast, name="downcast")
     check_nonfinite(nonfinite)
-    if merge_weight not in MERGE_WEIGHTS:
-        raise ValueError(f"merge_weight={merge_weight!r}; allowed: {MERGE_WEIGHTS}")
-    reset_cycle = (
-        max_global_skips,
-        max_global_skips // local_skip_factor,
-        max_global_skips // local_skip_factor,
-    )
-    if isinstance(first_cycle, str):
-        if first_cycle not in FIRST_CYCLES:
-            raise ValueError(f"first_cycle={first_cycle!r}; allowed: {FIRST_CYCLES} or a tuple (gs, ls, btw)")
-        start_cycle = reset_cycle if first_cycle == "max_global_skips" else HEAT_FIRST_CYCLE
+    quirks = HeatQuirks() if heat_quirks is None else heat_quirks
+    if not isinstance(quirks, HeatQuirks):
+        raise TypeError(f"heat_quirks must be None or a HeatQuirks, got {type(heat_quirks).__name__}")
+    reset_cycle = (max_global_skips,) + (max_global_skips // local_skip_factor,) * 2
+    if first_cycle is not None:
+        start_cycle = _check_cycle(first_cycle)
     else:
-        cycle = tuple(first_cycle) if isinstance(first_cycle, (tuple, list)) else ()
-        if (
-            len(cycle) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in cycle)
-            or cycle[0] < 1
-            or cycle[1] < 1
-            or cycle[2] < 0
-        ):
-            raise ValueError(
-                f"first_cycle={first_cycle!r} must be {FIRST_CYCLES[0]!r}, {FIRST_CYCLES[1]!r} or a "
-                "tuple of ints (gs ≥ 1, ls ≥ 1, btw ≥ 0)"
-            )
-        start_cycle = cycle
+        start_cycle = HEAT_FIRST_CYCLE if quirks.first_cycle else reset_cycle
+    rules = CycleRules(
+        warmup_epochs,
+        total_epochs - cooldown_epochs,
+        start_cycle,
+        reset_cycle,
+        skip_reduction_factor,
+        plateau_patience,
+    )
     # The cycling wire dtype: `downcast` (documented) or float32 (Heat's code).
-    cycle_wire = low if downcast_in_cycling else jnp.dtype(jnp.float32)
+    cycle_wire = jnp.dtype(jnp.float32) if quirks.float32_cycling else low
     two_wires = low != cycle_wire
     last_batch = steps_per_epoch - 1
-    cool_start = total_epochs - cooldown_epochs
     inner = optax.with_extra_args_support(inner)
 
     def vary(tree):
-        return per_replica(per_replica(tree, local_comm), global_comm)
+        return per_replica(per_replica(tree, local_comm), cross_comm)
 
-    def phase_cycle(epoch):
-        """Whether ``epoch`` is a blocking (warm-up / cool-down) epoch, and whether cycling starts."""
-        blocking = (epoch < warmup_epochs) | (epoch >= cool_start)
-        start = epoch == warmup_epochs
-        return blocking, start
+    def when(pred, fn, operand):
+        return jax.lax.cond(pred, lambda o: vary(fn(o)), vary, operand)
 
-    def kinds(params) -> dict[str, int]:
+    def switch(index, fns, operand):
+        return jax.lax.switch(index, [lambda o, f=f: vary(f(o)) for f in fns], operand)
+
+    def kinds(params) -> dict[Kind, int]:
         out = {
-            kind_name("local:all_reduce", params): payload_bytes(params),
-            kind_name("local:broadcast", params): payload_bytes(params),
-            kind_name("global:all_reduce", params, low): payload_bytes(params, low),
+            kind_name("all_reduce", params, scope="local"): payload_bytes(params),
+            kind_name("broadcast", params, scope="local"): payload_bytes(params),
         }
-        if two_wires:
-            out[kind_name("global:all_reduce", params, cycle_wire)] = payload_bytes(params, cycle_wire)
-        out.update({LOSS_LOCAL_KIND: 8, LOSS_GLOBAL_KIND: 8, AGREE_LOCAL_KIND: 4, AGREE_GLOBAL_KIND: 4})
-        return out
-
-    def no_events() -> DasoEvents:
-        minus = _i32(NO_GROUP)
-        no = jnp.asarray(False)
-        return DasoEvents(no, minus, _i32(0), no, minus, _i32(0), _i32(0), minus, minus, no)
+        for wire in (low, cycle_wire) if two_wires else (low,):
+            out[kind_name("all_reduce", params, wire, scope="cross")] = payload_bytes(params, wire)
+        return out | dict.fromkeys(LOSS_KINDS, 8) | dict.fromkeys(AGREE_KINDS, 4)
 
     def init_fn(params):
-        blocking, _ = phase_cycle(0)
-        gs, ls, btw = (0, 0, 0) if blocking else start_cycle
-        pending = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _storage_dtype(p.dtype)), params)
+        cycle = (0, 0, 0) if warmup_epochs > 0 or total_epochs <= cooldown_epochs else start_cycle
+        minus, zero, no = jnp.int32(NO_GROUP), jnp.int32(0), jnp.asarray(False)
         return DasoState(
-            batch_in_epoch=_i32(0),
-            epoch=_i32(0),
-            global_skip=_i32(gs),
-            local_skip=_i32(ls),
-            batches_to_wait=_i32(btw),
-            send_group=_i32(0),
-            previous_send_group=_i32(NO_GROUP),
-            pending_sum=vary(pending),
-            pending_wait=_i32(0),
-            pending_sent_batch=_i32(0),
-            pending_valid=jnp.asarray(False),
-            pending_low_precision=jnp.asarray(False),
+            batch_in_epoch=zero,
+            epoch=zero,
+            global_skip=jnp.int32(cycle[0]),
+            local_skip=jnp.int32(cycle[1]),
+            batches_to_wait=jnp.int32(cycle[2]),
+            send_group=zero,
+            previous_send_group=minus,
+            pending_sum=vary(
+                jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), _storage_dtype(p.dtype)), params)
+            ),
+            pending_wait=zero,
+            pending_sent_batch=zero,
+            pending_valid=no,
+            pending_low_precision=no,
             local_sync_next=jnp.asarray(True),
             epoch_loss_sum=vary(jnp.zeros((), jnp.float32)),
-            epoch_loss_count=vary(_i32(0)),
+            epoch_loss_count=vary(zero),
             best_epoch_loss=jnp.asarray(jnp.inf, jnp.float32),
-            plateau_bad_epochs=_i32(0),
-            last_events=no_events(),
+            plateau_bad_epochs=zero,
+            last_events=DasoEvents(no, minus, zero, no, minus, zero, zero, minus, minus, no),
             inner_state=vary(inner.init(params)),
             daso_ledger=CommLedger.create(kinds(params)),
         )
@@ -349,7 +474,7 @@ def daso(
     def update_fn(updates, state, params=None, *, value=None, **extra):
         if params is None:
             raise ValueError("daso needs params: call update(updates, state, params, value=loss)")
-        G, N = local_comm.size, global_comm.size
+        G, N = local_comm.size, cross_comm.size
         # The replicated control state, seen as uniform so that every cond/switch below stays a
         # branch under simulate (see Communicator.uniform).
         control = (
@@ -357,52 +482,29 @@ def daso(
             "previous_send_group", "pending_wait", "pending_sent_batch", "pending_valid",
             "pending_low_precision", "local_sync_next", "plateau_bad_epochs",
         )  # fmt: skip
-        uniform = global_comm.uniform(local_comm.uniform({k: getattr(state, k) for k in control}))
-        s = state._replace(**uniform)
-        ledger = s.daso_ledger
-
-        # ---- the batch's control flow (Heat DASO.step / _global_sync), on replicated scalars ----
-        b, gs, ls, cfg = s.batch_in_epoch, s.global_skip, s.local_skip, s.batches_to_wait
-        nb = b + 1
-        gmod = jnp.where(gs > 0, b % jnp.maximum(gs, 1), 0)
-        lmod = jnp.where(ls > 0, b % jnp.maximum(ls, 1), 0)
-        btw = jnp.where(cfg + b <= last_batch, cfg, last_batch - b)
+        s = state._replace(**cross_comm.uniform(local_comm.uniform({k: getattr(state, k) for k in control})))
+        b = s.batch_in_epoch
         last = b == last_batch
-        is_sync = last | (gmod == 0)
-        before_sync = ~is_sync & (nb % jnp.maximum(gs, 1) == 0)
-        waiting = ~is_sync & ~before_sync & (gmod < btw)
-        rest = ~is_sync & ~before_sync & ~waiting
-        receive_in_step = rest & (gmod == btw)
-        try_receive = receive_in_step | (is_sync & (cfg != 0))
-        merge = try_receive & s.pending_valid
-        have_prev = s.previous_send_group >= 0
-        bcast_prev = try_receive & have_prev & (s.pending_valid | heat_redundant_broadcast)
-        blocking = is_sync & (last | (cfg == 0))
-        send_low = jnp.asarray(True) if not two_wires else (gs < 1)
-
-        lso = s.local_sync_next
-        l_rest = jnp.where(receive_in_step & (ls > 1), False, lso)
-        l_rest = jnp.where(lmod == 0, False, jnp.where(nb % jnp.maximum(ls, 1) == 0, True, l_rest))
-        l_rest = jnp.where(nb == last_batch, True, l_rest)
-        l_rest = jnp.where((ls == 1) & (nb != last_batch), True, l_rest)
-        new_lso = jnp.where(
-            is_sync,
-            lso,
-            jnp.where(before_sync, True, jnp.where(waiting, lso | (nb == last_batch), l_rest)),
+        plan = batch_plan(
+            b,
+            (s.global_skip, s.local_skip, s.batches_to_wait),
+            local_sync=s.local_sync_next,
+            pending_valid=s.pending_valid,
+            have_previous=s.previous_send_group >= 0,
+            last_batch=last_batch,
+            redundant_broadcast=quirks.redundant_broadcast,
         )
+        send_low = jnp.asarray(True) if not two_wires else s.global_skip < 1
         delay = b - s.pending_sent_batch
 
         # ---- 1. intra-node gradient averaging (decided by the previous step) ----
+        def average_grads(operand):
+            g, led = operand
+            return local_comm.pmean(g), led.record(kind_name("all_reduce", g, scope="local"))
+
+        ledger = s.daso_ledger
         if G > 1:
-            grad_kind = kind_name("local:all_reduce", updates)
-
-            def average_grads(operand):
-                g, led = operand
-                return vary(local_comm.pmean(g)), led.record(grad_kind)
-
-            updates, ledger = jax.lax.cond(
-                lso, average_grads, lambda o: (vary(o[0]), o[1]), (updates, ledger)
-            )
+            updates, ledger = when(s.local_sync_next, average_grads, (updates, ledger))
 
         # ---- 2. local step ----
         if value is not None:
@@ -412,10 +514,8 @@ def daso(
         )
         local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, local_updates)
 
-        # ---- 3. send: every group all-reduces over global_comm; group send_group keeps it ----
+        # ---- 3. send: every group all-reduces over cross_comm; group send_group keeps it ----
         def send(wire):
-            kind = kind_name("global:all_reduce", params, wire)
-
             def branch(operand):
                 _, led = operand
                 # The sum is computed in `wire` (None: each leaf's own dtype) and comes back in
@@ -426,31 +526,28 @@ def daso(
                     else jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), local)
                 )
                 if N > 1:
-                    summed = global_comm.psum(packed, dtype=wire)
-                    led = led.record(kind)
+                    summed = cross_comm.psum(packed, dtype=wire)
+                    led = led.record(kind_name("all_reduce", params, wire, scope="cross"))
                 else:  # a group of one: the "sum" is the value on the wire
                     summed = jax.tree.map(
                         lambda x: x if wire is None else x.astype(wire).astype(x.dtype), packed
                     )
-                stored = jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), summed)
-                return vary(stored), led
+                return jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), summed), led
 
             return branch
 
-        send_branches = [lambda o: (vary(o[0]), o[1]), send(low)]
-        if two_wires:
-            send_branches.append(send(cycle_wire))
-        send_index = jnp.where(is_sync, jnp.where(send_low, 1, len(send_branches) - 1), 0)
-        sent, ledger = jax.lax.switch(send_index, send_branches, (s.pending_sum, ledger))
+        sends = [lambda o: o, send(low)] + ([send(cycle_wire)] if two_wires else [])
+        send_index = jnp.where(plan.sync, jnp.where(send_low, 1, len(sends) - 1), 0)
+        sent, ledger = switch(send_index, sends, (s.pending_sum, ledger))
 
         # ---- 4. merge the older pending send, broadcast within the node ----
-        bcast_kind = kind_name("local:broadcast", params)
-
         def broadcast_from(tree, root, led):
             if G == 1:
                 return tree, led
             branches = [functools.partial(local_comm.broadcast, root=r) for r in range(G)]
-            return jax.lax.switch(root, branches, tree), led.record(bcast_kind)
+            return jax.lax.switch(root, branches, tree), led.record(
+                kind_name("broadcast", params, scope="local")
+            )
 
         def divide(total, denom, is_low, p):
             """``total / denom`` in the send's wire dtype (Heat divides in the buffer dtype)."""
@@ -459,16 +556,14 @@ def daso(
                 w = p.dtype if wire is None else wire
                 return (total.astype(w) / denom.astype(w)).astype(p.dtype)
 
-            if not two_wires:
-                return in_wire(low)
-            return jnp.where(is_low, in_wire(low), in_wire(cycle_wire))
+            return jnp.where(is_low, in_wire(low), in_wire(cycle_wire)) if two_wires else in_wire(low)
 
         def merge_then_broadcast(operand):
             p, led = operand
-            if merge_weight == "actual":
-                numer = 2 * delay
-            else:
+            if quirks.stored_merge_weight:
                 numer = jnp.where(s.pending_wait > 0, 2 * s.pending_wait, 1)
+            else:
+                numer = 2 * delay
             denom = (numer + N).astype(jnp.float32)
             factor = numer.astype(jnp.float32) / denom
             merged = jax.tree.map(
@@ -476,18 +571,12 @@ def daso(
                 p,
                 s.pending_sum,
             )
-            out, led = broadcast_from(merged, s.previous_send_group, led)
-            return vary(out), led
+            return broadcast_from(merged, s.previous_send_group, led)
 
-        def broadcast_only(operand):
-            p, led = operand
-            out, led = broadcast_from(p, s.previous_send_group, led)
-            return vary(out), led
-
-        merge_mode = jnp.where(merge, 1, jnp.where(bcast_prev, 2, 0))
-        target, ledger = jax.lax.switch(
+        merge_mode = jnp.where(plan.merge, 1, jnp.where(plan.broadcast_previous, 2, 0))
+        target, ledger = switch(
             merge_mode,
-            [lambda o: (vary(o[0]), o[1]), merge_then_broadcast, broadcast_only],
+            [lambda o: o, merge_then_broadcast, lambda o: broadcast_from(o[0], s.previous_send_group, o[1])],
             (local, ledger),
         )
 
@@ -495,13 +584,11 @@ def daso(
         def average_then_broadcast(operand):
             p, led = operand
             n = jnp.asarray(N, jnp.float32)
-            avg = jax.tree.map(lambda x, tot: divide(tot, n, send_low, x), p, sent)
-            out, led = broadcast_from(avg, s.send_group, led)
-            return vary(out), led
+            return broadcast_from(
+                jax.tree.map(lambda x, tot: divide(tot, n, send_low, x), p, sent), s.send_group, led
+            )
 
-        target, ledger = jax.lax.cond(
-            blocking, average_then_broadcast, lambda o: (vary(o[0]), o[1]), (target, ledger)
-        )
+        target, ledger = when(plan.blocking, average_then_broadcast, (target, ledger))
 
         # ---- 6. epoch end: mean loss over all replicas, plateau detector, next (gs, ls, btw) ----
         loss_sum, loss_count = s.epoch_loss_sum, s.epoch_loss_count
@@ -510,88 +597,74 @@ def daso(
             loss_count = loss_count + 1
 
         def reduce_loss(led):
-            both = jnp.stack([loss_sum, loss_count.astype(jnp.float32)])
-            both = local_comm.psum(both)
-            both = global_comm.psum(both)
-            total, count = both[0], both[1]
-            mean = total / jnp.maximum(count, 1.0)
+            both = cross_comm.psum(local_comm.psum(jnp.stack([loss_sum, loss_count.astype(jnp.float32)])))
+            mean = both[0] / jnp.maximum(both[1], 1.0)
             best = s.best_epoch_loss
-            better = jnp.where(
-                best >= 0,
-                mean < best * (1 - stability_level),
-                mean < best * (1 + stability_level),
-            ) & (count > 0)
+            improved = jnp.where(
+                best >= 0, mean < best * (1 - stability_level), mean < best * (1 + stability_level)
+            ) & (both[1] > 0)
             # Make the decision bit-identical everywhere (it gates later collectives).
-            better = global_comm.agree(local_comm.agree(better, op="all"), op="all")
-            if G > 1:
-                led = led.record(LOSS_LOCAL_KIND).record(AGREE_LOCAL_KIND)
-            if N > 1:
-                led = led.record(LOSS_GLOBAL_KIND).record(AGREE_GLOBAL_KIND)
-            return mean, count > 0, better, led
+            improved = cross_comm.agree(local_comm.agree(improved, op="all"), op="all")
+            for group, loss_kind, agree_kind in zip((G, N), LOSS_KINDS, AGREE_KINDS):
+                if group > 1:
+                    led = led.record(loss_kind).record(agree_kind)
+            return mean, both[1] > 0, improved, led
 
         def no_loss(led):
             return jnp.asarray(jnp.nan, jnp.float32), jnp.asarray(False), jnp.asarray(False), led
 
-        mean_loss, have_loss, better, ledger = jax.lax.cond(last, reduce_loss, no_loss, ledger)
-
-        new_epoch = s.epoch + jnp.where(last, 1, 0).astype(jnp.int32)
-        in_blocking, at_start = phase_cycle(new_epoch)
-        gs1 = jnp.where(at_start, start_cycle[0], gs)
-        ls1 = jnp.where(at_start, start_cycle[1], ls)
-        cfg1 = jnp.where(at_start, start_cycle[2], cfg)
-        feed = last & ~in_blocking & have_loss
-        bad = jnp.where(feed, jnp.where(better, 0, s.plateau_bad_epochs + 1), s.plateau_bad_epochs)
-        best = jnp.where(feed & better, mean_loss, s.best_epoch_loss)
-        plateau = feed & (bad > plateau_patience)
-        bad = jnp.where(plateau, 0, bad)
-        reduce = plateau & (gs1 > 1)
-        reset = plateau & (gs1 == 1)
-        gs2 = gs1 // skip_reduction_factor
-        ls2 = jnp.where(gs2 > 0, jnp.maximum(ls1 // skip_reduction_factor, 1), ls1 // skip_reduction_factor)
-        cfg2 = jnp.where(gs2 > 0, jnp.maximum(cfg1 - 1, 1), jnp.maximum(cfg1 - 1, 0))
-        gs3 = jnp.where(reduce, gs2, jnp.where(reset, reset_cycle[0], gs1))
-        ls3 = jnp.where(reduce, ls2, jnp.where(reset, reset_cycle[1], ls1))
-        cfg3 = jnp.where(reduce, cfg2, jnp.where(reset, reset_cycle[2], cfg1))
-        new_gs = jnp.where(last, jnp.where(in_blocking, 0, gs3), gs)
-        new_ls = jnp.where(last, jnp.where(in_blocking, 0, ls3), ls)
-        new_cfg = jnp.where(last, jnp.where(in_blocking, 0, cfg3), cfg)
+        mean_loss, have_loss, improved, ledger = jax.lax.cond(last, reduce_loss, no_loss, ledger)
+        new_epoch = s.epoch + last.astype(jnp.int32)
+        cycle, bad, record = next_cycle(
+            new_epoch,
+            (s.global_skip, s.local_skip, s.batches_to_wait),
+            s.plateau_bad_epochs,
+            improved=improved,
+            have_loss=have_loss,
+            rules=rules,
+        )
+        gs, ls, btw = (
+            jnp.where(last, c, old) for c, old in zip(cycle, (s.global_skip, s.local_skip, s.batches_to_wait))
+        )
 
         # ---- bookkeeping of the global sync ----
-        nonblocking_send = is_sync & ~blocking
-        new_send_group = jnp.where(is_sync, jnp.where(last, 0, (s.send_group + 1) % G), s.send_group)
-        new_prev = jnp.where(is_sync, jnp.where(blocking, NO_GROUP, s.send_group), s.previous_send_group)
-        minus = _i32(NO_GROUP)
+        nonblocking_send = plan.sync & ~plan.blocking
+        minus = jnp.int32(NO_GROUP)
+        merged_or_broadcast = (plan.merge | plan.broadcast_previous) & (G > 1)
         events = DasoEvents(
-            local_grad_sync=lso,
-            sent_group=jnp.where(is_sync, s.send_group, minus),
-            sent_wait=jnp.where(is_sync, btw, 0).astype(jnp.int32),
-            sent_low_precision=is_sync & send_low,
-            merged_group=jnp.where(merge, s.previous_send_group, minus),
-            merged_wait=jnp.where(merge, s.pending_wait, 0).astype(jnp.int32),
-            merged_delay=jnp.where(merge, delay, 0).astype(jnp.int32),
-            merge_broadcast_root=jnp.where((merge | bcast_prev) & (G > 1), s.previous_send_group, minus),
-            averaged_group=jnp.where(blocking, s.send_group, minus),
+            local_grad_sync=s.local_sync_next,
+            sent_group=jnp.where(plan.sync, s.send_group, minus),
+            sent_wait=jnp.where(plan.sync, plan.wait, 0).astype(jnp.int32),
+            sent_low_precision=plan.sync & send_low,
+            merged_group=jnp.where(plan.merge, s.previous_send_group, minus),
+            merged_wait=jnp.where(plan.merge, s.pending_wait, 0).astype(jnp.int32),
+            merged_delay=jnp.where(plan.merge, delay, 0).astype(jnp.int32),
+            merge_broadcast_root=jnp.where(merged_or_broadcast, s.previous_send_group, minus),
+            averaged_group=jnp.where(plan.blocking, s.send_group, minus),
             ended_epoch=last,
         )
         out = jax.tree.map(lambda t, p: (t - p).astype(p.dtype), target, params)
+        i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
         return out, DasoState(
-            batch_in_epoch=jnp.where(last, 0, nb).astype(jnp.int32),
+            batch_in_epoch=i32(jnp.where(last, 0, b + 1)),
             epoch=new_epoch,
-            global_skip=new_gs.astype(jnp.int32),
-            local_skip=new_ls.astype(jnp.int32),
-            batches_to_wait=new_cfg.astype(jnp.int32),
-            send_group=new_send_group.astype(jnp.int32),
-            previous_send_group=new_prev.astype(jnp.int32),
+            global_skip=i32(gs),
+            local_skip=i32(ls),
+            batches_to_wait=i32(btw),
+            send_group=i32(jnp.where(plan.sync, jnp.where(last, 0, (s.send_group + 1) % G), s.send_group)),
+            previous_send_group=i32(
+                jnp.where(plan.sync, jnp.where(plan.blocking, NO_GROUP, s.send_group), s.previous_send_group)
+            ),
             pending_sum=sent,
-            pending_wait=jnp.where(nonblocking_send, btw, s.pending_wait).astype(jnp.int32),
-            pending_sent_batch=jnp.where(nonblocking_send, b, s.pending_sent_batch).astype(jnp.int32),
-            pending_valid=jnp.where(is_sync, ~blocking, s.pending_valid & ~merge),
+            pending_wait=i32(jnp.where(nonblocking_send, plan.wait, s.pending_wait)),
+            pending_sent_batch=i32(jnp.where(nonblocking_send, b, s.pending_sent_batch)),
+            pending_valid=jnp.where(plan.sync, ~plan.blocking, s.pending_valid & ~plan.merge),
             pending_low_precision=jnp.where(nonblocking_send, send_low, s.pending_low_precision),
-            local_sync_next=new_lso,
+            local_sync_next=plan.local_sync_next,
             epoch_loss_sum=jnp.where(last, 0.0, loss_sum).astype(jnp.float32),
-            epoch_loss_count=jnp.where(last, 0, loss_count).astype(jnp.int32),
-            best_epoch_loss=best.astype(jnp.float32),
-            plateau_bad_epochs=bad.astype(jnp.int32),
+            epoch_loss_count=i32(jnp.where(last, 0, loss_count)),
+            best_epoch_loss=jnp.where(last & record, mean_loss, s.best_epoch_loss).astype(jnp.float32),
+            plateau_bad_epochs=i32(jnp.where(last, bad, s.plateau_bad_epochs)),
             last_events=events,
             inner_state=inner_state,
             daso_ledger=ledger,

@@ -13,31 +13,31 @@ the periodic engine (a branch of its ``lax.switch``), each slot lowering to one 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxdist.accounting import CommLedger, payload_bytes
+from optaxdist.accounting import CommLedger, Kind, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.topology import Topology
 from optaxdist.transforms.periodic import SyncInput, periodic
 
-PERMUTE_KIND = "permute[params]"
-WEIGHT_KIND = "permute[ps_weight]"
-GLOBAL_KIND = "all_reduce[global average]"
+PERMUTE_KIND = Kind("permute", "params")
+WEIGHT_KIND = Kind("permute", "ps_weight")
+GLOBAL_KIND = Kind("all_reduce", "global average")
 
 
-def _check(comm, topology: Topology, global_every: int | None) -> None:
+def _check(comm, topology: Topology, average_period: int | None) -> None:
     if not isinstance(comm, Communicator):
         raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be an optaxdist.topology.Topology, got {topology!r}")
-    if global_every is not None and (not isinstance(global_every, int) or global_every < 1):
-        raise ValueError(f"global_every={global_every!r} must be None or an int ≥ 1")
+    if average_period is not None and (not isinstance(average_period, int) or average_period < 1):
+        raise ValueError(f"average_period={average_period!r} must be None or an int ≥ 1")
 
 
 def _check_size(comm: Communicator, topology: Topology) -> None:
@@ -76,14 +76,14 @@ def _mix(
     return own, received, ledger
 
 
-def _gossip_schedule(topology: Topology, global_every: int | None):
-    """Every step a round of the topology (``1 + s mod period``); with ``global_every=K`` every
+def _gossip_schedule(topology: Topology, average_period: int | None):
+    """Every step a round of the topology (``1 + s mod period``); with ``average_period=K`` every
     K-th step the exact average instead (the last synchronization)."""
 
     def schedule(s, num_syncs):
         index = 1 + s % topology.period
-        if global_every:
-            index = jnp.where((s + 1) % global_every == 0, num_syncs, index)
+        if average_period:
+            index = jnp.where((s + 1) % average_period == 0, num_syncs, index)
         return index
 
     return schedule
@@ -116,7 +116,7 @@ def decentralized_sgd(
     comm: Communicator,
     topology: Topology,
     metropolis: bool = False,
-    global_every: int | None = None,
+    average_period: int | None = None,
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
@@ -130,7 +130,7 @@ def decentralized_sgd(
     :math:`i` = what replica :math:`i` receives). Uniform weights :math:`1/(d+1)` are doubly
     stochastic on regular graphs; ``metropolis=True`` uses Metropolis–Hastings weights so that
     irregular undirected graphs (star, ``from_neighbors``) stay doubly stochastic. With
-    ``global_every=K``, every K-th step replaces the gossip by an exact all-reduce average.
+    ``average_period=K``, every K-th step replaces the gossip by an exact all-reduce average.
 
     Communication: per step, for each slot of the round in which this replica has an out-peer, one
     point-to-point message of all parameters (``comm.permute``; ledger ``permute[params]``, ``P``
@@ -142,7 +142,7 @@ def decentralized_sgd(
       comm: the replicas; ``comm.size`` must equal ``topology.n``.
       topology: a static gossip graph (``optaxdist.topology``).
       metropolis: reweight undirected rounds with Metropolis–Hastings weights.
-      global_every: exact global averaging every K steps (None: never).
+      average_period: exact global averaging every K steps (None: never).
       warmup_steps: synchronous steps (gradients all-reduced) before the gossip starts.
       check_start: raise on step 0 if the replicas' parameters differ.
       nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
@@ -152,7 +152,7 @@ def decentralized_sgd(
       Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS 2017.
       mlbench ``DecentralizedSGD``.
     """
-    _check(comm, topology, global_every)
+    _check(comm, topology, average_period)
     topo = topology.metropolis() if metropolis else topology
     if not topo.is_row_stochastic():
         raise ValueError(
@@ -162,7 +162,7 @@ def decentralized_sgd(
 
     def kinds(params, inner_state):
         return {PERMUTE_KIND: payload_bytes(params)} | (
-            {GLOBAL_KIND: payload_bytes(params)} if global_every else {}
+            {GLOBAL_KIND: payload_bytes(params)} if average_period else {}
         )
 
     def gossip(r: int):
@@ -184,8 +184,8 @@ def decentralized_sgd(
         inner,
         comm=comm,
         name="decentralized_sgd",
-        schedule=_gossip_schedule(topo, global_every),
-        syncs=[gossip(r) for r in range(topo.period)] + ([average] if global_every else []),
+        schedule=_gossip_schedule(topo, average_period),
+        syncs=[gossip(r) for r in range(topo.period)] + ([average] if average_period else []),
         kinds=kinds,
         init_sync=lambda params: Gossip(),
         warmup_steps=warmup_steps,
@@ -201,9 +201,8 @@ def sgp(
     *,
     comm: Communicator,
     topology: Topology,
-    ordering: Literal["push_sum", "push_pull"] = "push_sum",
     overlap: bool = False,
-    global_every: int | None = None,
+    average_period: int | None = None,
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
@@ -224,12 +223,11 @@ def sgp(
     :math:`z_i` converge to it even on directed, non-regular graphs (where plain averaging is
     biased). On regular graphs with uniform weights :math:`w \equiv 1` and SGP equals D-PSGD.
 
-    ``ordering="push_pull"`` is fairscale's PushPull (blocking send/receive pairs on bipartite
-    graphs); in a static-permutation program both orderings give the same numbers and messages, so
-    it only checks that the graph is bipartite. ``overlap=True`` models OSGP: what a replica
-    receives at step :math:`t` is mixed in at step :math:`t+1` (one step of staleness).
-    ``global_every=K`` replaces every K-th gossip by the exact average :math:`\sum_i x_i / \sum_i
-    w_i` (one all-reduce of the numerators and weights; weights reset to 1).
+    ``overlap=True`` models OSGP: what a replica receives at step :math:`t` is mixed in at step
+    :math:`t+1` (one step of staleness). ``average_period=K`` replaces every K-th gossip by the exact
+    average :math:`\sum_i x_i / \sum_i w_i` (one all-reduce of the numerators and weights; weights
+    reset to 1). fairscale's PushSum and PushPull orderings give the same numbers and messages in a
+    static-permutation program: there is one.
 
     Communication: per step, for each slot in which this replica has an out-peer, one message of
     all parameters plus, unless the topology is doubly stochastic, its weight (ledgers
@@ -240,9 +238,8 @@ def sgp(
       comm: the replicas; ``comm.size == topology.n``.
       topology: a column-stochastic gossip graph (fairscale's default:
         ``topology.npeer_dynamic_directed_exponential_graph(n)``).
-      ordering: ``"push_sum"`` or ``"push_pull"`` (needs a bipartite topology).
       overlap: apply received mixing one step late (OSGP).
-      global_every: exact global averaging every K steps.
+      average_period: exact global averaging every K steps.
       warmup_steps: synchronous steps (gradients all-reduced) before the gossip starts.
       check_start: raise on step 0 if the replicas' parameters differ.
       nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
@@ -252,11 +249,7 @@ def sgp(
       Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep Learning",
       ICML 2019. fairscale ``SlowMoDistributedDataParallel`` (SGP, PushSum, PushPull).
     """
-    _check(comm, topology, global_every)
-    if ordering not in ("push_sum", "push_pull"):
-        raise ValueError(f"ordering={ordering!r}; allowed: 'push_sum', 'push_pull'")
-    if ordering == "push_pull" and not topology.is_bipartite():
-        raise ValueError(f"ordering='push_pull' needs a bipartite topology; {topology.name!r} is not")
+    _check(comm, topology, average_period)
     if not topology.is_column_stochastic():
         raise ValueError(f"topology {topology.name!r} is not column-stochastic: push-sum needs it")
     send_weight = not topology.is_doubly_stochastic()
@@ -267,7 +260,7 @@ def sgp(
         out = {PERMUTE_KIND: payload_bytes(params, jnp.float32)}
         out |= {WEIGHT_KIND: 4} if send_weight else {}
         global_bytes = payload_bytes(params, jnp.float32) + 4  # float32 numerators and the weight
-        return out | ({GLOBAL_KIND: global_bytes} if global_every else {})
+        return out | ({GLOBAL_KIND: global_bytes} if average_period else {})
 
     def init_sync(params) -> PushSumState:
         in_flight = ()
@@ -326,8 +319,8 @@ def sgp(
         inner,
         comm=comm,
         name="sgp",
-        schedule=_gossip_schedule(topology, global_every),
-        syncs=[gossip(r) for r in range(topology.period)] + ([average] if global_every else []),
+        schedule=_gossip_schedule(topology, average_period),
+        syncs=[gossip(r) for r in range(topology.period)] + ([average] if average_period else []),
         kinds=kinds,
         init_sync=init_sync,
         warmup_steps=warmup_steps,

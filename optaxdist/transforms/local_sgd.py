@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxdist.accounting import kind_name, payload_bytes
+from optaxdist.accounting import Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms.periodic import Sync, SyncInput, check_comm, check_period, periodic, periodic_states
@@ -76,12 +76,13 @@ def local_sgd(
 
     Communication (``P`` = parameter bytes in ``dtype``):
       on each global sync one all-reduce of ``P`` over ``comm`` (ledger ``param_average[...]``);
-      on each node sync one all-reduce of ``P`` over ``local_comm`` (``local_param_average[...]``);
+      on each node sync one all-reduce of ``P`` over ``local_comm`` (``local:param_average[...]``);
       during warm-up one all-reduce of the gradients per step (``all_reduce[...]``); with
       ``average_inner_state`` one all-reduce of the inner state's float leaves per sync
-      (``inner_state_average[...]``). Per step on average: ``P / period`` over ``comm`` (plus
-      ``P / local_period`` over ``local_comm``, plus the inner state per sync). Syncs run inside
-      ``lax.switch`` on the replicated step counter: nothing is sent on other steps.
+      (``inner_state_average[...]``; ``local:inner_state_average[...]`` at a node sync). Per step
+      on average: ``P / period`` over ``comm`` (plus ``P / local_period`` over ``local_comm``, plus
+      the inner state per sync). Syncs run inside ``lax.switch`` on the replicated step counter:
+      nothing is sent on other steps.
 
     Args:
       inner: the local optimizer.
@@ -118,24 +119,29 @@ def local_sgd(
         check_comm("local_comm", local_comm)
     wire = canonical_comm_dtype(dtype)
 
+    scopes = ("world", "local") if local_comm is not None else ("world",)
+
+    def average_kind(tree, label: str, scope: str) -> Kind:
+        return kind_name("all_reduce", tree, wire, label=label, scope=scope)
+
     def kinds(params, inner_state):
-        out = {kind_name("param_average", params, wire): payload_bytes(params, wire)}
-        if local_comm is not None:
-            out[kind_name("local_param_average", params, wire)] = payload_bytes(params, wire)
-        if average_inner_state and _float_leaves(inner_state):
-            floats = _float_leaves(inner_state)
-            out[kind_name("inner_state_average", floats, wire)] = payload_bytes(floats, wire)
+        floats = _float_leaves(inner_state) if average_inner_state else []
+        out = {}
+        for scope in scopes:
+            out[average_kind(params, "param_average", scope)] = payload_bytes(params, wire)
+            if floats:
+                out[average_kind(floats, "inner_state_average", scope)] = payload_bytes(floats, wire)
         return out
 
-    def average_over(group: Communicator | None, kind_prefix: str) -> Sync:
+    def average_over(group: Communicator | None, scope: str) -> Sync:
         def sync(x: SyncInput) -> SyncInput:
             if group is None:  # no node level: never scheduled
                 return x
-            ledger = x.ledger.record(kind_name(kind_prefix, x.params, wire))
+            ledger = x.ledger.record(average_kind(x.params, "param_average", scope))
             inner_state = x.inner_state
             if average_inner_state and _float_leaves(inner_state):
                 inner_state = _average_floats(inner_state, group, wire)
-                ledger = ledger.record(kind_name("inner_state_average", _float_leaves(inner_state), wire))
+                ledger = ledger.record(average_kind(_float_leaves(inner_state), "inner_state_average", scope))
             return x._replace(local=group.pmean(x.local, dtype=wire), inner_state=inner_state, ledger=ledger)
 
         return sync
@@ -151,7 +157,7 @@ def local_sgd(
         comm=comm,
         name="local_sgd",
         schedule=schedule,
-        syncs=[average_over(local_comm, "local_param_average"), average_over(comm, "param_average")],
+        syncs=[average_over(local_comm, "local"), average_over(comm, "world")],
         kinds=kinds,
         init_sync=lambda params: ParamAverage(node_level=local_comm is not None),
         warmup_steps=warmup_steps,
@@ -184,11 +190,8 @@ def sync_model_state(
             "sync_model_state, or the node-level syncs would leave model_state unaveraged"
         )
     level = states[0].last_sync
+    groups = [None, local_comm, comm]
     branches = [
-        lambda x: comm.varying(x),
-        (lambda x: comm.varying(_average_floats(x, local_comm, None)))
-        if local_comm is not None
-        else (lambda x: comm.varying(x)),
-        lambda x: comm.varying(_average_floats(x, comm, None)),
+        lambda x, g=g: per_replica(x if g is None else _average_floats(x, g, None), comm) for g in groups
     ]
     return jax.lax.switch(level, branches, model_state)

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optaxdist.accounting import CommLedger, keep_ledgers
+from optaxdist.accounting import CommLedger, Kind, keep_ledgers
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
-from optaxdist.transforms._checks import all_finite
+from optaxdist.transforms._checks import all_finite, find_states
 
-AGREE_KIND = "agree[int32]"
+AGREE_KIND = Kind("all_reduce", "int32", label="agree")
 _F32_TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -197,27 +197,9 @@ def skip_nonfinite(
     )
 
 
-def _loss_scales(state: Any) -> list[jax.Array]:
-    found = []
-
-    def visit(x):
-        if isinstance(x, DynamicLossScaleState):
-            found.append(x.loss_scale)
-            visit(x.inner_state)
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                visit(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                visit(y)
-
-    visit(state)
-    return found
-
-
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     """``loss × loss_scale`` with the scale read from a (nested) ``dynamic_loss_scale`` state."""
-    scales = _loss_scales(opt_state)
+    scales = [s.loss_scale for s in find_states(opt_state, DynamicLossScaleState)]
     if len(scales) != 1:
         raise ValueError(
             f"scale_loss found {len(scales)} dynamic_loss_scale states in opt_state; expected one"

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from optaxdist.accounting import dtype_label, kind_name, payload_bytes
+from optaxdist.accounting import Kind, dtype_label, kind_name, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import check_float_leaves
@@ -78,11 +78,11 @@ def _block_size(leaves, num_shards: int) -> int:
     return -(-sum(math.prod(x.shape) for x in leaves) // num_shards)
 
 
-def _sharded_kind(op: str, fragments: Partition, f: int, dtype: Any) -> str:
-    return f"{op}[{_label(fragments, f, [], dtype)}]"
+def _sharded_kind(op: str, fragments: Partition, f: int, dtype: Any) -> Kind:
+    return Kind(op, _label(fragments, f, [], dtype))
 
 
-def sharded_payloads(fragments: Partition, leaves, num_shards: int) -> dict[str, int]:
+def sharded_payloads(fragments: Partition, leaves, num_shards: int) -> dict[Kind, int]:
     """Ledger kinds and payloads of the sharded mode over ``num_shards`` replicas: per fragment, a
     reduce-scatter of the padded fragment and an all-gather of one block (``leaves``: the
     parameters' leaves, arrays or shapes with dtypes)."""
@@ -185,20 +185,20 @@ def outer_sync(
     def flat_dtype(leaves):
         return jnp.result_type(*leaves)
 
-    def kinds(params, inner_state) -> dict[str, int]:
+    def kinds(params, inner_state) -> dict[Kind, int]:
         del inner_state
         layout, leaves = layout_of(params), jax.tree.leaves(params)
         if sharded:
             out = sharded_payloads(layout.fragments, leaves, num_shards)
         elif reducer is None:
             out = {
-                f"all_reduce[{_label(layout.fragments, f, mine, wire)}]": payload_bytes(mine, wire)
+                Kind("all_reduce", _label(layout.fragments, f, mine, wire)): payload_bytes(mine, wire)
                 for f, mine in enumerate([[leaves[i] for i in part] for part in layout.fragments])
             }
         else:
             out = {}
         if anchor_after_first_step:
-            out[kind_name("anchor_average", params)] = payload_bytes(params)
+            out[kind_name("all_reduce", params, label="anchor_average")] = payload_bytes(params)
         return out
 
     def fragment(tree, part: tuple[int, ...]):
@@ -252,7 +252,7 @@ def outer_sync(
         values = x.params
         if anchor_after_first_step:  # fairscale's quirk, made consistent: the replicas' mean
             values = comm.pmean(x.local)
-            x = x._replace(ledger=x.ledger.record(kind_name("anchor_average", x.params)))
+            x = x._replace(ledger=x.ledger.record(kind_name("all_reduce", x.params, label="anchor_average")))
         anchors = []
         for part in checked_layout(x).fragments:
             mine = fragment(values, part)
@@ -275,7 +275,7 @@ def outer_sync(
                 pseudo = jax.tree.map(lambda a, v: a - v, anchor, local)
                 if reducer is None:
                     delta = comm.pmean(pseudo, dtype=wire)
-                    ledger = ledger.record(f"all_reduce[{_label(layout.fragments, f, local, wire)}]")
+                    ledger = ledger.record(Kind("all_reduce", _label(layout.fragments, f, local, wire)))
                 else:
                     delta, reducer_states[f] = reducer.update(pseudo, reducer_states[f], anchor)
             outer_states = list(state.outer_states)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import optax
 
-from optaxdist.accounting import dtype_label, payload_bytes
+from optaxdist.accounting import Kind, dtype_label, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms.periodic import SyncInput, check_comm, periodic
@@ -117,8 +117,8 @@ def partial_average(
     check_comm("comm", comm)
     wire = canonical_comm_dtype(dtype)
 
-    def kind(k: int, leaves) -> str:
-        return f"all_reduce[partition{k}:{dtype_label(leaves, wire)}]"
+    def kind(k: int, leaves) -> Kind:
+        return Kind("all_reduce", f"partition{k}:{dtype_label(leaves, wire)}")
 
     def kinds(params, inner_state):
         leaves = jax.tree.leaves(params)

@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optaxdist.accounting import CommLedger, kind_name, payload_bytes, per_replica
+from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_nonfinite, local_step
+from optaxdist.transforms._checks import check_nonfinite, check_warmup_steps, find_states, local_step
 from optaxdist.transforms._start import check_identical_start, start_kinds
 
 
@@ -110,7 +110,7 @@ def periodic(
     name: str,
     schedule: Callable[[jax.Array, int], jax.Array],
     syncs: Sequence[Sync] | Callable[[Any], Sequence[Sync]],
-    kinds: Callable[[Any, Any], dict[str, int]] = lambda params, inner_state: {},
+    kinds: Callable[[Any, Any], dict[Kind, int]] = lambda params, inner_state: {},
     init_sync: Callable[[Any], Any] = lambda params: (),
     begin: Sync | None = None,
     warmup_steps: int = 0,
@@ -155,14 +155,13 @@ def periodic(
     ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
     step, on every harness.
     """
-    if not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} must be an int ≥ 0")
+    check_warmup_steps(warmup_steps)
     check_comm("comm", comm)
     check_nonfinite(nonfinite)
     wire = canonical_comm_dtype(dtype)
     inner = optax.with_extra_args_support(inner)
 
-    def all_kinds(params, inner_state) -> dict[str, int]:
+    def all_kinds(params, inner_state) -> dict[Kind, int]:
         out = dict(kinds(params, inner_state))
         if warmup_steps:
             out[kind_name("all_reduce", params, wire)] = payload_bytes(params, wire)
@@ -234,5 +233,4 @@ def periodic(
 
 def periodic_states(opt_state: Any) -> list[PeriodicState]:
     """The ``PeriodicState`` nodes of an optimizer state, outermost first."""
-    is_state = lambda x: isinstance(x, PeriodicState)
-    return [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+    return find_states(opt_state, PeriodicState)

@@ -19,15 +19,15 @@ import numpy as np
 import optax
 
 from optaxdist._compat import pcast_varying, varying_axes
-from optaxdist.accounting import CommLedger
+from optaxdist.accounting import CommLedger, Kind, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
+from optaxdist.transforms._checks import check_warmup_steps
 
-P_KIND = "powersgd_p[float32]"
-Q_KIND = "powersgd_q[float32]"
+P_KIND = Kind("all_reduce", "float32", label="powersgd_p")
+Q_KIND = Kind("all_reduce", "float32", label="powersgd_q")
 _F32 = jnp.dtype(jnp.float32)
 _HIGHEST = jax.lax.Precision.HIGHEST
-_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 class PowerSgdState(NamedTuple):
@@ -39,7 +39,7 @@ class PowerSgdState(NamedTuple):
 
     Attributes:
       powersgd_step: number of ``update`` calls so far (int32, replicated; saturates at 2**31 − 1).
-        Steps with ``powersgd_step < start_iter`` are exact all-reduce steps.
+        Steps with ``powersgd_step < warmup_steps`` are exact all-reduce steps.
       powersgd_q: per group, the ``(B, m, r)`` float32 query matrices (replicated): the random draw
         after ``init``, then the averaged ``Q`` of the last compressed step, which is where the next
         step starts from when ``warm_start``.
@@ -112,17 +112,19 @@ def _make_plan(leaves, rank: int, min_compression_rate: float, batch_same_shape:
     )
 
 
-def _kinds(plan: _Plan, start_iter: int) -> dict[str, int]:
+def _kinds(plan: _Plan, warmup_steps: int) -> dict[Kind, int]:
     """Ledger kinds with the static payload (bytes) of one event of each."""
     kinds = {}
     if plan.groups:
         kinds[P_KIND] = 4 * sum(len(g.leaves) * g.n * g.r for g in plan.groups)
         kinds[Q_KIND] = 4 * sum(len(g.leaves) * g.m * g.r for g in plan.groups)
     for dt, ix in plan.by_dtype(plan.exact).items():
-        kinds[f"all_reduce[{dt.name}]"] = sum(plan.numel(i) for i in ix) * dt.itemsize
-    if start_iter > 0:
+        kinds[Kind("all_reduce", dt.name)] = sum(plan.numel(i) for i in ix) * dt.itemsize
+    if warmup_steps > 0:
         for dt, ix in plan.by_dtype(range(len(plan.shapes))).items():
-            kinds[f"powersgd_warmup[{dt.name}]"] = sum(plan.numel(i) for i in ix) * dt.itemsize
+            kinds[Kind("all_reduce", dt.name, label="powersgd_warmup")] = (
+                sum(plan.numel(i) for i in ix) * dt.itemsize
+            )
     return kinds
 
 
@@ -204,7 +206,7 @@ def powersgd(
     *,
     comm: Communicator,
     rank: int = 1,
-    start_iter: int = 1000,
+    warmup_steps: int = 1000,
     min_compression_rate: float = 2.0,
     error_feedback: bool = True,
     warm_start: bool = True,
@@ -245,13 +247,13 @@ def powersgd(
     :math:`P`, :math:`Q` and residuals are float32 whatever the gradient dtype; :math:`u` is cast
     back to it and the residual is taken against that cast value.
 
-    For the first ``start_iter`` steps every leaf is averaged exactly and the residuals stay zero.
+    For the first ``warmup_steps`` steps every leaf is averaged exactly and the residuals stay zero.
     With a single replica (``comm.size == 1``) the transform is the identity (nothing to
     communicate, so nothing to compress) unless ``compress_single_replica=True`` (PyTorch's
     behaviour).
 
     Communication:
-      Warm-up steps (``step < start_iter``): one all-reduce per gradient dtype of all leaves
+      Warm-up steps (``step < warmup_steps``): one all-reduce per gradient dtype of all leaves
       (``Σ numel`` elements in the leaves' dtype), ledger kind ``"powersgd_warmup[<dtype>]"``.
       Compressed steps: one all-reduce (sum) of all :math:`P` (``Σ n·r`` float32 elements,
       ``"powersgd_p[float32]"``), then one all-reduce (mean) of all :math:`Q` (``Σ m·r`` float32
@@ -266,7 +268,7 @@ def powersgd(
     Args:
       comm: the group of replicas to average over.
       rank: the approximation rank :math:`r` (an int ≥ 1; PyTorch: 1, try 1, 2, 4).
-      start_iter: number of initial steps with exact all-reduce (an int ≥ 0; PyTorch's
+      warmup_steps: number of initial steps with exact all-reduce (an int ≥ 0; PyTorch's
         ``start_powerSGD_iter``, 1000; about 10% of training and at least the LR warm-up).
       min_compression_rate: compress a matrix only if it saves at least this factor (> 0; 2).
       error_feedback: add the residual of the previous step before compressing (True).
@@ -284,7 +286,7 @@ def powersgd(
       >>> import jax, jax.numpy as jnp, optax, optaxdist
       >>> from optaxdist.transforms.powersgd import powersgd
       >>> comm = optaxdist.AxisComm("replica")
-      >>> tx = optax.chain(powersgd(comm=comm, rank=1, start_iter=0), optax.sgd(0.1))
+      >>> tx = optax.chain(powersgd(comm=comm, rank=1, warmup_steps=0), optax.sgd(0.1))
       >>> grads = jnp.stack([jnp.outer(jnp.arange(1.0, 9.0), jnp.ones(6)) * (i + 1)
       ...                    for i in range(4)])       # 4 replicas, rank-1 8×6 gradients
       >>> def step(g):
@@ -303,8 +305,7 @@ def powersgd(
         raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"rank={rank!r} must be an int ≥ 1")
-    if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
-        raise ValueError(f"start_iter={start_iter!r} must be an int ≥ 0")
+    check_warmup_steps(warmup_steps)
     if (
         isinstance(min_compression_rate, bool)
         or not isinstance(min_compression_rate, (int, float))
@@ -340,12 +341,12 @@ def powersgd(
         qs = tuple(jnp.asarray(_initial_q(seed, g)) for g in plan.groups)
         errors = ()
         if error_feedback:
-            errors = tuple(comm.varying(jnp.zeros((len(g.leaves), g.n, g.m), _F32)) for g in plan.groups)
+            errors = tuple(per_replica(jnp.zeros((len(g.leaves), g.n, g.m), _F32), comm) for g in plan.groups)
         return PowerSgdState(
             powersgd_step=jnp.zeros((), jnp.int32),
             powersgd_q=qs,
             powersgd_error=errors,
-            powersgd_ledger=CommLedger.create(_kinds(plan, start_iter)),
+            powersgd_ledger=CommLedger.create(_kinds(plan, warmup_steps)),
         )
 
     def exact_step(plan: _Plan, leaves):
@@ -396,7 +397,7 @@ def powersgd(
             for b, i in enumerate(g.leaves):
                 out[i] = sent[b].reshape(plan.shapes[i])
             if error_feedback:
-                errors.append(comm.varying(ms[k] - jnp.stack(sent).astype(_F32)))
+                errors.append(per_replica(ms[k] - jnp.stack(sent).astype(_F32), comm))
         return (
             out,
             _like(tuple(qs), state.powersgd_q),
@@ -418,7 +419,7 @@ def powersgd(
                 f"(compressed groups {[(len(g.leaves), g.n, g.m) for g in plan.groups]})"
             )
         step = comm.uniform(state.powersgd_step)  # keeps the warm-up a branch under simulate
-        next_step = step + (step < _INT32_MAX).astype(jnp.int32)
+        next_step = optax.safe_increment(step)
         ledger = state.powersgd_ledger
 
         if comm.size == 1 and not compress_single_replica:
@@ -427,15 +428,17 @@ def powersgd(
         def compressed(_):
             return compressed_step(plan, leaves, state, step)
 
-        if start_iter > 0:
-            warmup = step < start_iter
+        if warmup_steps > 0:
+            warmup = step < warmup_steps
 
             def exact(_):
                 return exact_step(plan, leaves), state.powersgd_q, state.powersgd_error
 
             out, qs, errors = jax.lax.cond(warmup, exact, compressed, None)
             for dt in plan.by_dtype(range(len(leaves))):
-                ledger = ledger.record(f"powersgd_warmup[{dt.name}]", warmup.astype(jnp.int32))
+                ledger = ledger.record(
+                    Kind("all_reduce", dt.name, label="powersgd_warmup"), warmup.astype(jnp.int32)
+                )
             compressing = (~warmup).astype(jnp.int32)
         else:
             out, qs, errors = compressed(None)
@@ -443,7 +446,7 @@ def powersgd(
         if plan.groups:
             ledger = ledger.record(P_KIND, compressing).record(Q_KIND, compressing)
         for dt in plan.by_dtype(plan.exact):
-            ledger = ledger.record(f"all_reduce[{dt.name}]", compressing)
+            ledger = ledger.record(Kind("all_reduce", dt.name), compressing)
 
         new_state = PowerSgdState(
             powersgd_step=next_step, powersgd_q=qs, powersgd_error=errors, powersgd_ledger=ledger

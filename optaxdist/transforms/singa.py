@@ -1,4 +1,4 @@
-"""Apache SINGA's SGD (dampening from the first momentum step) and its ``ExponentialDecay``."""
+"""Apache SINGA's SGD (dampening from the first momentum step)."""
 
 from __future__ import annotations
 
@@ -10,28 +10,6 @@ import optax
 
 from optaxdist.agreement import configured
 from optaxdist.transforms._checks import check_sgd_hyperparameters
-
-
-def singa_exponential_decay(
-    init_value: float, decay_steps: int, decay_rate: float, staircase: bool = False
-) -> optax.Schedule:
-    r"""SINGA ``ExponentialDecay``: :math:`v_0 \cdot r^{t / T}` (exponent floored with ``staircase``).
-
-    Computed in float32 like SINGA. The same formula as ``optax.exponential_decay(init_value,
-    transition_steps=decay_steps, decay_rate=decay_rate, staircase=staircase)``.
-    """
-    if not isinstance(decay_steps, int) or decay_steps < 1:
-        raise ValueError(f"decay_steps={decay_steps!r} must be an int ≥ 1")
-    if not decay_rate > 0:
-        raise ValueError(f"decay_rate={decay_rate!r} must be > 0")
-
-    def schedule(count):
-        exponent = jnp.asarray(count, jnp.float32) / jnp.float32(decay_steps)
-        if staircase:
-            exponent = jnp.floor(exponent)
-        return jnp.float32(init_value) * jnp.power(jnp.float32(decay_rate), exponent)
-
-    return schedule
 
 
 class SingaSgdState(NamedTuple):
@@ -65,7 +43,8 @@ def singa_sgd(
     Communication: none (a local optimizer).
 
     Args:
-      learning_rate: a float or an optax schedule (e.g. ``singa_exponential_decay``).
+      learning_rate: a float or an optax schedule (SINGA's ``ExponentialDecay`` is
+        ``optax.exponential_decay(init_value, transition_steps=decay_steps, decay_rate=...)``).
       momentum: μ ≥ 0 (0 disables the buffer, as in SINGA).
       dampening: d.
       weight_decay: λ ≥ 0, coupled L2 added to the gradient.
