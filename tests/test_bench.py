@@ -289,7 +289,7 @@ def test_diloco_rows_use_the_outer_settings():
         np.testing.assert_allclose(u["w"], expected, rtol=1e-6)
 
 
-def test_charlm_windows_and_a_short_run(tmp_path):
+def test_charlm_windows():
     from optaxdist.bench.charlm import load_charlm, pydoc_text
 
     data = load_charlm(seq_len=32)
@@ -302,6 +302,9 @@ def test_charlm_windows_and_a_short_run(tmp_path):
     assert data.num_classes == len(vocab)
     assert "".join(vocab[i] for i in data.x_train[0]) == text[:32]
 
+
+@pytest.mark.slow  # 47 s, mostly compiling the transformer; the MLP rows above run the same harness
+def test_charlm_short_run(tmp_path):
     # optax's Adam bias correction raises a Python float to an int32 power: not strict-promotion clean.
     with jax.numpy_dtype_promotion("standard"):
         args = "--dataset charlm --optimizer adamw --lr 3e-3 --schedule warmup-cosine --algorithms diloco-50"

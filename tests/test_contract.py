@@ -78,9 +78,7 @@ TRANSFORMS = {
             optax.sgd(0.1),
             comm=COMM,
             learning_rate=0.1,
-            **(
-                {"period": 1, "memory_efficient": True, "num_shards": N, "anchor_after_first_step": True} | kw
-            ),
+            **({"period": 1, "num_shards": N, "anchor_after_first_step": True} | kw),
         ),
         dict(slow_lr=0.0),
     ),

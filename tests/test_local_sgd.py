@@ -212,7 +212,6 @@ def test_slowmo_matches_fairscale_formula(harness, memory_efficient):
             learning_rate=sched,
             momentum=0.5,
             slow_lr=0.8,
-            memory_efficient=memory_efficient,
             **kw,
         ),
         steps=STEPS,
@@ -245,7 +244,6 @@ def test_slowmo_anchor_after_first_step(harness, memory_efficient):
             learning_rate=LR,
             momentum=0.5,
             anchor_after_first_step=True,
-            memory_efficient=memory_efficient,
             **kw,
         ),
         steps=6,
@@ -346,8 +344,6 @@ def test_bad_arguments():
         od.local_sgd(optax.sgd(0.1), comm=comm, period=6, local_period=2)
     with pytest.raises(ValueError, match="period="):
         od.diloco(optax.sgd(0.1), comm=comm, period=0)
-    with pytest.raises(ValueError, match="num_shards"):
-        od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, memory_efficient=True)
     for momentum in (-1.0, 1.0):
         with pytest.raises(ValueError, match=r"momentum=.* must be in \[0, 1\)"):
             od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, momentum=momentum)

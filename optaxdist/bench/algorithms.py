@@ -154,7 +154,6 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
             period=50,
             learning_rate=ctx.lr,
             momentum=0.5,
-            memory_efficient=True,
             num_shards=ctx.replicas,
         ),
         "SlowMo, τ = 50, x0 and u sharded (reduce-scatter + all-gather)",

@@ -451,7 +451,6 @@ def slowmo(
     learning_rate: optax.ScalarOrSchedule,
     momentum: float = 0.5,
     slow_lr: float = 1.0,
-    memory_efficient: bool = False,
     anchor_after_first_step: bool = False,
     num_shards: int | None = None,
     warmup_steps: int = 0,
@@ -470,8 +469,9 @@ def slowmo(
     averaging every ``H`` steps between slow steps, use ``inner=local_sgd(..., period=H)``.
 
     Communication: one all-reduce of the parameters every τ steps (``all_reduce[...]``); with
-    ``memory_efficient`` a reduce-scatter of ``P`` and an all-gather of ``P/W`` instead, and ``x₀``
-    and ``u`` are sharded over the replicas (fairscale's ZeRO-1-like layout, same numbers).
+    ``num_shards=W`` a reduce-scatter of ``P`` and an all-gather of ``P/W`` instead, and ``x₀``
+    and ``u`` are sharded over the replicas (fairscale's memory-efficient, ZeRO-1-like layout, same
+    numbers).
 
     Args:
       inner: the local optimizer.
@@ -480,11 +480,11 @@ def slowmo(
       learning_rate: the inner optimizer's learning rate (float or the same schedule).
       momentum: β (fairscale default 0.5).
       slow_lr: α (fairscale default 1.0).
-      memory_efficient: shard ``x₀`` and ``u`` (needs ``num_shards=comm.size``).
       anchor_after_first_step: fairscale's quirk: ``x₀`` taken after the first local step (the
         first slow step then covers τ−1 steps), as the replicas' mean (fairscale: each process's
         own). Default: the parameters before training.
-      num_shards: the group size, required with ``memory_efficient`` (static).
+      num_shards: shard ``x₀`` and ``u`` over the ``num_shards = comm.size`` replicas (fairscale's
+        ``memory_efficient``; static). None: every replica holds them whole.
       warmup_steps: synchronous steps (gradients all-reduced) before the local steps; the anchor
         is taken when they end.
       check_start: raise on the first step if the replicas' parameters differ.
@@ -501,10 +501,6 @@ def slowmo(
         raise ValueError(f"learning_rate={learning_rate!r} must be > 0 (SlowMo divides by it) or a schedule")
     if not slow_lr > 0:
         raise ValueError(f"slow_lr={slow_lr!r} must be > 0")
-    if memory_efficient and num_shards is None:
-        raise ValueError("memory_efficient=True needs num_shards=<number of replicas>")
-    if not memory_efficient and num_shards is not None:
-        raise ValueError("num_shards applies only with memory_efficient=True")
     return outer_sync(
         inner,
         slowmo_outer_optimizer(learning_rate, momentum=momentum, slow_lr=slow_lr),
