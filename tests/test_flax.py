@@ -2,16 +2,20 @@
 the same numbers under ``simulate`` and ``on_mesh``, convergence on MNIST-5k, and the NNX helpers.
 
 The examples' ``train`` functions are imported and run here with fewer steps, so the tests check
-exactly the code the examples and docs show. They use Adam, whose bias correction is not
-strict-promotion clean in optax: the tests run with JAX's default promotion, as users do.
+exactly the code the examples and docs show; the simulate == on_mesh tests swap in a smaller model
+for the example's CNN (their cost is XLA compile time, which grows with the model's layers). They
+use Adam, whose bias correction is not strict-promotion clean in optax: the tests run with JAX's
+default promotion, as users do.
 """
 
 import functools
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,9 +97,45 @@ def _mesh():
 # 4e-6 (one Dense kernel entry); after the 3 steps tested here, less.
 
 
+# The examples' CNNs are replaced by smaller ones with the same kinds of layers: one strided
+# convolution (four channels) and the linear classifier, BatchNorm for linen, and no biases or
+# BatchNorm scale, since every parameter adds its own optimizer arithmetic (Adam, DiLoCo's outer
+# step, the start check) to each compiled step: compiling was most of the 21-22 s each test took with
+# the examples' CNNs on 2 cores. The kernels are drawn as one flat vector: XLA:CPU takes seconds to
+# compile jax's (partitionable) threefry for a 2-D or 4-D shape, a fraction of one for a 1-D shape.
+# These models still differ in the last bits: max |simulate - mesh| after 3 steps, NNX 1e-8
+# (DiLoCo) and 3e-8 (all-reduce), linen 5e-8 and 2.4e-6.
+
+
+def _flat_lecun_normal(key, shape, dtype=jnp.float32):
+    fan_in = math.prod(shape[:-1])
+    return jax.random.normal(key, (math.prod(shape),), dtype).reshape(shape) / math.sqrt(fan_in)
+
+
+class _SmallNnxCnn(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs):
+        kw = dict(use_bias=False, kernel_init=_flat_lecun_normal, rngs=rngs)
+        self.conv = nnx.Conv(1, 4, (3, 3), strides=2, **kw)
+        self.head = nnx.Linear(14 * 14 * 4, 10, **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.relu(self.conv(x))
+        return self.head(x.reshape(x.shape[0], -1))
+
+
+class _SmallLinenCnn(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        x = nn.Conv(4, (3, 3), strides=2, use_bias=False, kernel_init=_flat_lecun_normal)(x)
+        bn = nn.BatchNorm(use_running_average=not train, momentum=0.9, use_bias=False, use_scale=False)
+        x = nn.relu(bn(x))
+        return nn.Dense(10, use_bias=False, kernel_init=_flat_lecun_normal)(x.reshape(x.shape[0], -1))
+
+
 @pytest.mark.parametrize("algorithm", [pytest.param("allreduce", marks=pytest.mark.slow), "diloco"])
-def test_nnx_cnn_same_on_simulate_and_mesh(algorithm):
+def test_nnx_cnn_same_on_simulate_and_mesh(algorithm, monkeypatch):
     ex = _example("nnx_mnist")
+    monkeypatch.setattr(ex, "CNN", _SmallNnxCnn)
     kw = dict(steps=3, replicas=N, algorithm=algorithm, batch_size=16, period=3)
     sim, mesh = ex.train(harness="simulate", **kw), ex.train(harness="mesh", **kw)
     assert _max_diff(sim["state"], mesh["state"]) <= 1e-6
@@ -109,8 +149,9 @@ def test_nnx_cnn_same_on_simulate_and_mesh(algorithm):
 
 
 @pytest.mark.parametrize("algorithm", [pytest.param("allreduce", marks=pytest.mark.slow), "diloco"])
-def test_linen_trainstate_same_on_simulate_and_mesh(algorithm):
+def test_linen_trainstate_same_on_simulate_and_mesh(algorithm, monkeypatch):
     ex = _example("linen_trainstate")
+    monkeypatch.setattr(ex, "CNN", _SmallLinenCnn)
     kw = dict(steps=3, replicas=N, algorithm=algorithm, batch_size=16, period=3)
     sim, mesh = ex.train(harness="simulate", **kw), ex.train(harness="mesh", **kw)
     assert _max_diff(sim["state"], mesh["state"]) <= 2e-5
