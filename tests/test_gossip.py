@@ -247,3 +247,41 @@ def test_slowmo_over_sgp_without_exact_averaging():
     assert not np.allclose(anchor["w"][0], anchor["w"][1])  # own anchors
     kinds = od.comm_stats(state, replica=0).by_kind
     assert set(kinds) == {"permute[params]", "broadcast[start check]"}  # no all-reduce on slow steps
+
+
+def test_wire_dtype(harness):
+    """dtype=bfloat16: each received value is rounded to bfloat16 (the own share is not), and the
+    ledger counts half the bytes; sgp's numerators travel in it, its weights in float32."""
+    n = harness.n
+    ring = topo.ring(n)
+    params, state = run_trajectory(
+        harness,
+        lambda c: od.decentralized_sgd(optax.sgd(LR), comm=c, topology=ring, dtype="bfloat16"),
+        steps=1,
+    )
+    xs, ys = replica_data(n, 1)
+    p0 = {k: v.astype(np.float64) for k, v in init_params().items()}
+    local = [{k: p0[k] - LR * g for k, g in np_grad(p0, xs[0, i], ys[0, i]).items()} for i in range(n)]
+    wire = lambda x: np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16), np.float64)  # noqa: E731
+    w = ring.mixing_matrix(0)
+    expected = {
+        k: np.stack(
+            [
+                sum(w[i, j] * (local[j][k] if j == i else wire(local[j][k])) for j in range(n))
+                for i in range(n)
+            ]
+        )
+        for k in p0
+    }
+    close(params, expected)
+    half = sum(v.nbytes for v in init_params().values()) // 2
+    slots = ring.rounds[0].num_slots
+    assert od.comm_stats(state).by_kind["permute[params]"] == od.KindTotals(slots, slots * half)
+
+    g = topo.npeer_dynamic_directed_exponential_graph(n) if n > 1 else topo.complete(1)
+    _, state = run_trajectory(
+        harness, lambda c: od.sgp(optax.sgd(LR), comm=c, topology=g, dtype="bfloat16"), steps=2
+    )
+    by_kind = od.comm_stats(state).by_kind
+    if n > 1:
+        assert by_kind["permute[params]"].bytes == 2 * half

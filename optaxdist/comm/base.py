@@ -154,10 +154,14 @@ class Communicator(abc.ABC):
         """Every member's value stacked on a new leading axis of length ``size``."""
         return jax.tree.map(lambda x: self._all_gather(jnp.asarray(x)), tree)
 
-    def permute(self, tree: PyTree, perm: Permutation) -> PyTree:
-        """Send to the static destinations ``perm = [(src, dst), ...]``; members receiving nothing get 0."""
+    def permute(self, tree: PyTree, perm: Permutation, *, dtype: Any = None) -> PyTree:
+        """Send to the static destinations ``perm = [(src, dst), ...]``; members receiving nothing get
+        0. ``dtype`` is the type on the wire; what arrives comes back in each leaf's dtype."""
         perm = _check_permutation(perm, self.size)
-        return jax.tree.map(lambda x: self._permute(jnp.asarray(x), perm), tree)
+        dt = canonical_comm_dtype(dtype)
+        return jax.tree.map(
+            lambda x: self._permute(_cast(jnp.asarray(x), dt), perm).astype(jnp.asarray(x).dtype), tree
+        )
 
     def broadcast(self, tree: PyTree, root: int = 0) -> PyTree:
         """Member ``root``'s value on every member, bit-exact whatever the others hold (NaN, Inf)."""

@@ -22,8 +22,9 @@ import optax
 
 from optaxdist.accounting import CommLedger, Kind, payload_bytes
 from optaxdist.agreement import configured
-from optaxdist.comm.base import Communicator
+from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.topology import Topology
+from optaxdist.transforms._checks import check_comm, check_int
 from optaxdist.transforms.periodic import SyncInput, periodic
 
 PERMUTE_KIND = Kind("permute", "params")
@@ -32,12 +33,11 @@ GLOBAL_KIND = Kind("all_reduce", "global average")
 
 
 def _check(comm, topology: Topology, average_period: int | None) -> None:
-    if not isinstance(comm, Communicator):
-        raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
+    check_comm("comm", comm)
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be an optaxdist.topology.Topology, got {topology!r}")
-    if average_period is not None and (not isinstance(average_period, int) or average_period < 1):
-        raise ValueError(f"average_period={average_period!r} must be None or an int ≥ 1")
+    if average_period is not None:
+        check_int("average_period", average_period, 1)
 
 
 def _check_size(comm: Communicator, topology: Topology) -> None:
@@ -54,11 +54,13 @@ def _mix(
     push: bool,
     ledger: CommLedger,
     kinds: tuple[str, ...],
+    wires: list[Any],
 ) -> tuple[list[jax.Array], list[jax.Array], CommLedger]:
     """Round ``r`` of ``topology``: ``(own, received, ledger)``, the self-weighted own values and
     the weighted sum of what arrived, so that the mixed value is ``own + received`` (kept apart
     for the delayed variant). ``push``: weights applied by the sender (push-sum); else by the
-    receiver. Each slot in which this replica has an out-peer records one event of ``kinds``."""
+    receiver. ``wires``: each value's dtype on the wire (None: its own). Each slot in which this
+    replica has an out-peer records one event of ``kinds``."""
     me = comm.index()
     self_w, slot_w = topology.send_weights(r) if push else topology.receive_weights(r)
     own = [v * jnp.asarray(self_w, v.dtype)[me] for v in values]
@@ -66,9 +68,9 @@ def _mix(
     for slot, perm in enumerate(topology.perms(r)):
         w = jnp.asarray(slot_w[slot])[me]
         if push:
-            arrived = comm.permute([v * w.astype(v.dtype) for v in values], perm)
+            arrived = [comm.permute(v * w.astype(v.dtype), perm, dtype=d) for v, d in zip(values, wires)]
         else:
-            arrived = [a * w.astype(a.dtype) for a in comm.permute(values, perm)]
+            arrived = [comm.permute(v, perm, dtype=d) * w.astype(v.dtype) for v, d in zip(values, wires)]
         received = [a + b for a, b in zip(received, arrived)]
         sends = jnp.asarray(np.isin(np.arange(topology.n), [p[0] for p in perm]))[me]
         for kind in kinds:
@@ -117,6 +119,7 @@ def decentralized_sgd(
     topology: Topology,
     metropolis: bool = False,
     average_period: int | None = None,
+    dtype: Any = None,
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
@@ -135,7 +138,8 @@ def decentralized_sgd(
     Communication: per step, for each slot of the round in which this replica has an out-peer, one
     point-to-point message of all parameters (``comm.permute``; ledger ``permute[params]``, ``P``
     bytes each). Independent of the number of replicas: a one-peer graph sends ``P`` per step
-    where a ring all-reduce sends ``2(n−1)/n·P``. Global steps: one all-reduce of ``P``.
+    where a ring all-reduce sends ``2(n−1)/n·P``. Global steps: one all-reduce of ``P``. ``P``
+    counts the parameters in ``dtype``.
 
     Args:
       inner: the local optimizer (momentum stays local, as in mlbench).
@@ -143,16 +147,16 @@ def decentralized_sgd(
       topology: a static gossip graph (``optaxdist.topology``).
       metropolis: reweight undirected rounds with Metropolis–Hastings weights.
       average_period: exact global averaging every K steps (None: never).
-      warmup_steps: synchronous steps (gradients all-reduced) before the gossip starts.
-      check_start: raise on step 0 if the replicas' parameters differ.
-      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
-        ``optaxdist.transforms.periodic.periodic``.
+      dtype: wire dtype of the messages and of the global averages (None: the parameters' dtype;
+        ``bfloat16`` halves the bytes, each received value rounded to it).
+      warmup_steps, check_start, nonfinite: the engine's options (``periodic``).
 
     References:
       Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS 2017.
       mlbench ``DecentralizedSGD``.
     """
     _check(comm, topology, average_period)
+    wire = canonical_comm_dtype(dtype)
     topo = topology.metropolis() if metropolis else topology
     if not topo.is_row_stochastic():
         raise ValueError(
@@ -161,8 +165,8 @@ def decentralized_sgd(
         )
 
     def kinds(params, inner_state):
-        return {PERMUTE_KIND: payload_bytes(params)} | (
-            {GLOBAL_KIND: payload_bytes(params)} if average_period else {}
+        return {PERMUTE_KIND: payload_bytes(params, wire)} | (
+            {GLOBAL_KIND: payload_bytes(params, wire)} if average_period else {}
         )
 
     def gossip(r: int):
@@ -170,7 +174,14 @@ def decentralized_sgd(
             _check_size(comm, topo)
             leaves, treedef = jax.tree.flatten(x.local)
             own, received, ledger = _mix(
-                leaves, topo, r, comm, push=False, ledger=x.ledger, kinds=(PERMUTE_KIND,)
+                leaves,
+                topo,
+                r,
+                comm,
+                push=False,
+                ledger=x.ledger,
+                kinds=(PERMUTE_KIND,),
+                wires=[wire] * len(leaves),
             )
             mixed = [a + b for a, b in zip(own, received)]
             return x._replace(local=jax.tree.unflatten(treedef, mixed), ledger=ledger)
@@ -178,7 +189,7 @@ def decentralized_sgd(
         return sync
 
     def average(x: SyncInput) -> SyncInput:
-        return x._replace(local=comm.pmean(x.local), ledger=x.ledger.record(GLOBAL_KIND))
+        return x._replace(local=comm.pmean(x.local, dtype=wire), ledger=x.ledger.record(GLOBAL_KIND))
 
     return periodic(
         inner,
@@ -189,6 +200,7 @@ def decentralized_sgd(
         kinds=kinds,
         init_sync=lambda params: Gossip(),
         warmup_steps=warmup_steps,
+        dtype=dtype,
         ledger_varies=True,
         check_start=check_start,
         nonfinite=nonfinite,
@@ -203,6 +215,7 @@ def sgp(
     topology: Topology,
     overlap: bool = False,
     average_period: int | None = None,
+    dtype: Any = None,
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
@@ -232,6 +245,7 @@ def sgp(
     Communication: per step, for each slot in which this replica has an out-peer, one message of
     all parameters plus, unless the topology is doubly stochastic, its weight (ledgers
     ``permute[params]`` ``P`` bytes, ``permute[ps_weight]`` 4 bytes). Global steps: one all-reduce.
+    ``P`` counts the numerators in ``dtype`` (float32 by default, whatever the parameters' dtype).
 
     Args:
       inner: the local optimizer.
@@ -240,10 +254,10 @@ def sgp(
         ``topology.npeer_dynamic_directed_exponential_graph(n)``).
       overlap: apply received mixing one step late (OSGP).
       average_period: exact global averaging every K steps.
-      warmup_steps: synchronous steps (gradients all-reduced) before the gossip starts.
-      check_start: raise on step 0 if the replicas' parameters differ.
-      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
-        ``optaxdist.transforms.periodic.periodic``.
+      dtype: wire dtype of the numerators (None: float32); the weights always travel in float32.
+        A narrower wire rounds the mass a replica receives, so ``Σ x_i`` is conserved only to
+        that rounding.
+      warmup_steps, check_start, nonfinite: the engine's options (``periodic``).
 
     References:
       Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep Learning",
@@ -252,14 +266,14 @@ def sgp(
     _check(comm, topology, average_period)
     if not topology.is_column_stochastic():
         raise ValueError(f"topology {topology.name!r} is not column-stochastic: push-sum needs it")
+    wire = canonical_comm_dtype(dtype) or jnp.dtype(jnp.float32)
     send_weight = not topology.is_doubly_stochastic()
     gossip_kinds = (PERMUTE_KIND, WEIGHT_KIND) if send_weight else (PERMUTE_KIND,)
 
     def kinds(params, inner_state):
-        # numerators travel in float32, whatever the parameters' dtype
-        out = {PERMUTE_KIND: payload_bytes(params, jnp.float32)}
+        out = {PERMUTE_KIND: payload_bytes(params, wire)}
         out |= {WEIGHT_KIND: 4} if send_weight else {}
-        global_bytes = payload_bytes(params, jnp.float32) + 4  # float32 numerators and the weight
+        global_bytes = payload_bytes(params, wire) + 4  # the numerators and the float32 weight
         return out | ({GLOBAL_KIND: global_bytes} if average_period else {})
 
     def init_sync(params) -> PushSumState:
@@ -285,7 +299,14 @@ def sgp(
             num, treedef = numerator(x)
             state: PushSumState = x.sync_state
             own, received, ledger = _mix(
-                [*num, state.ps_weight], topology, r, comm, push=True, ledger=x.ledger, kinds=gossip_kinds
+                [*num, state.ps_weight],
+                topology,
+                r,
+                comm,
+                push=True,
+                ledger=x.ledger,
+                kinds=gossip_kinds,
+                wires=[wire] * len(num) + [None],
             )
             in_flight = state.in_flight
             if overlap:  # mix in what arrived last step; keep this step's arrivals for the next
@@ -309,7 +330,7 @@ def sgp(
         if overlap:
             late_x, late_w = state.in_flight
             num, w = [n + lx for n, lx in zip(num, late_x)], w + late_w
-        *sums, total_w = comm.psum([*num, w])
+        *sums, total_w = comm.psum(num, dtype=wire) + [comm.psum(w)]
         in_flight = jax.tree.map(jnp.zeros_like, state.in_flight)
         z = jax.tree.unflatten(treedef, [v / total_w for v in sums])
         state = PushSumState(jnp.ones((), jnp.float32), in_flight)
@@ -324,6 +345,7 @@ def sgp(
         kinds=kinds,
         init_sync=init_sync,
         warmup_steps=warmup_steps,
+        dtype=dtype,
         ledger_varies=True,
         check_start=check_start,
         nonfinite=nonfinite,
