@@ -21,6 +21,7 @@ from optaxdist.comm import (
 )
 from optaxdist.elastic import resize_replicas
 from optaxdist.flax import nnx_replica, nnx_replicate, nnx_step
+from optaxdist.optimizers import SignSgdState, SingaSgdState, sign_sgd, singa_sgd
 from optaxdist.parallel import (
     REPLICA_AXIS,
     assert_replicas_identical,
@@ -33,13 +34,9 @@ from optaxdist.parallel import (
     replicate,
     simulate,
 )
+from optaxdist.partition import balanced_fragments, singa_partitions
 from optaxdist.topology import Topology
-from optaxdist.transforms.allreduce import (
-    AllReduceState,
-    AverageParamsState,
-    allreduce,
-    average_params,
-)
+from optaxdist.transforms.allreduce import AllReduceState, allreduce
 from optaxdist.transforms.averaged_iterate import (
     AveragedIterateState,
     averaged_iterate,
@@ -58,12 +55,11 @@ from optaxdist.transforms.gossip import (
     decentralized_sgd,
     sgp,
 )
-from optaxdist.transforms.local_sgd import local_sgd, sync_model_state
+from optaxdist.transforms.local_sgd import average_params, local_sgd, sync_model_state
 from optaxdist.transforms.loss_scale import (
     DynamicLossScaleState,
     dynamic_loss_scale,
     mlbench_loss_scale,
-    pytorch_loss_scale,
     scale_loss,
     skip_nonfinite,
 )
@@ -77,11 +73,9 @@ from optaxdist.transforms.outer import (
     slowmo_outer_optimizer,
     streaming_diloco,
 )
-from optaxdist.transforms.partial import balanced_fragments, partial_average, singa_partitions
+from optaxdist.transforms.partial import partial_average
 from optaxdist.transforms.periodic import PeriodicState
 from optaxdist.transforms.powersgd import PowerSgdState, powersgd
-from optaxdist.transforms.sign_sgd import SignSgdState, sign_sgd
-from optaxdist.transforms.singa import SingaSgdState, singa_sgd
 
 __version__ = "0.1.0"
 
@@ -93,7 +87,6 @@ __all__ = [
     "averaged_iterate",
     "averaged_params",
     "AveragedIterateState",
-    "AverageParamsState",
     "axis_hierarchy",
     "AxisComm",
     "balanced_fragments",
@@ -139,7 +132,6 @@ __all__ = [
     "powersgd",
     "PowerSgdState",
     "PushSumState",
-    "pytorch_loss_scale",
     "rank_directory",
     "REPLICA_AXIS",
     "replicas_identical",

@@ -62,9 +62,10 @@ import jax
 import numpy as np
 
 from optaxdist.accounting import CommLedger
+from optaxdist.optimizers import SignSgdState, SingaSgdState
 from optaxdist.topology import Topology
 from optaxdist.transforms._checks import find_states
-from optaxdist.transforms.allreduce import AllReduceState, AverageParamsState
+from optaxdist.transforms.allreduce import AllReduceState
 from optaxdist.transforms.averaged_iterate import AveragedIterateState
 from optaxdist.transforms.compressed import CompressedAllReduceState, ExactWarmupState
 from optaxdist.transforms.daso import DasoEvents, DasoState
@@ -73,8 +74,6 @@ from optaxdist.transforms.loss_scale import DynamicLossScaleState
 from optaxdist.transforms.outer import OuterLayout, OuterState, SlowMoOuterState, sharded_payloads
 from optaxdist.transforms.periodic import PeriodicState
 from optaxdist.transforms.powersgd import PowerSgdState
-from optaxdist.transforms.sign_sgd import SignSgdState
-from optaxdist.transforms.singa import SingaSgdState
 
 PyTree = Any
 
@@ -84,7 +83,6 @@ INHERIT = None
 
 RULES: dict[type, dict[str, str | None]] = {
     AllReduceState: {"allreduce_ledger": LEDGER},
-    AverageParamsState: {"average_params_ledger": LEDGER},
     AveragedIterateState: {"average_count": AVERAGE, "averaged_params": AVERAGE},
     CompressedAllReduceState: {"compress_step": REPLICATED, "error": RESIDUAL, "compressed_ledger": LEDGER},
     ExactWarmupState: {"step": REPLICATED, "exact_state": INHERIT, "compressed_state": INHERIT},

@@ -33,8 +33,8 @@ TRANSFORMS = {
         lambda **kw: od.mlbench_loss_scale(optax.sgd(0.1), comm=COMM, **kw),
         dict(min_scale=-1.0),
     ),
-    "pytorch_loss_scale": (
-        lambda **kw: od.pytorch_loss_scale(optax.sgd(0.1), comm=COMM, **kw),
+    "dynamic_loss_scale_backoff": (
+        lambda **kw: od.dynamic_loss_scale(optax.sgd(0.1), comm=COMM, **kw),
         dict(backoff_factor=0.0),
     ),
     "skip_nonfinite": (lambda **kw: od.skip_nonfinite(optax.sgd(0.1), comm=COMM, **kw), None),

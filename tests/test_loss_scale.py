@@ -129,8 +129,8 @@ def test_mlbench_preset_raises_at_min_scale():
 
 
 def test_pytorch_preset_defaults_and_clamp():
-    tx = od.pytorch_loss_scale(optax.sgd(LR), min_scale=1.0, init_scale=2.0)
-    assert float(od.pytorch_loss_scale(optax.sgd(LR)).init(jnp.zeros(1)).loss_scale) == 2.0**16
+    tx = od.dynamic_loss_scale(optax.sgd(LR), min_scale=1.0, init_scale=2.0)
+    assert float(od.dynamic_loss_scale(optax.sgd(LR)).init(jnp.zeros(1)).loss_scale) == 2.0**16
     p = jnp.zeros(2)
     s = tx.init(p)
     for _ in range(3):
@@ -152,7 +152,7 @@ def test_scale_loss_and_unscaling():
 
 
 def test_bf16_params_keep_dtype():
-    tx = od.pytorch_loss_scale(optax.sgd(LR))
+    tx = od.dynamic_loss_scale(optax.sgd(LR))
     p = jnp.ones(3, jnp.bfloat16)
     u, s = tx.update(jnp.ones(3, jnp.bfloat16) * 1024, tx.init(p), p)
     assert u.dtype == jnp.bfloat16 and s.loss_scale.dtype == jnp.float32

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxdist.accounting import keep_ledgers
+from optaxdist.comm.base import Communicator
 
 
 def find_states(tree: Any, cls: type | tuple[type, ...]) -> list:
@@ -33,19 +35,6 @@ def all_finite(tree) -> jax.Array:
     return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
 
 
-def check_sgd_hyperparameters(
-    *, momentum: float, dampening: float, weight_decay: float, nesterov: bool
-) -> None:
-    """torch.optim.SGD's rules: momentum ≥ 0, weight_decay ≥ 0, nesterov needs momentum > 0 and
-    no dampening."""
-    if momentum < 0:
-        raise ValueError(f"momentum={momentum!r} must be ≥ 0")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be ≥ 0")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
-
-
 def check_float_leaves(tree, transform: str) -> None:
     """Raise ``ValueError`` naming the first leaf of ``tree`` that is not floating point."""
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
@@ -56,12 +45,54 @@ def check_float_leaves(tree, transform: str) -> None:
             )
 
 
+def check_comm(name: str, comm: Any) -> Communicator:
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"{name} must be an optaxdist Communicator, got {type(comm).__name__}")
+    return comm
+
+
+def check_int(name: str, value: Any, low: int = 0, high: int | None = None) -> int:
+    """``value`` must be an int (not a bool) in ``[low, high)``."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value >= high)
+    ):
+        allowed = f"≥ {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name}={value!r} must be an int {allowed}")
+    return value
+
+
+def check_number(
+    name: str,
+    value: Any,
+    low: float = 0.0,
+    high: float = math.inf,
+    *,
+    open_low: bool = False,
+    open_high: bool = True,
+) -> float:
+    """``value`` must be a real number (not a bool) in ``[low, high)`` (ends as ``open_*`` say)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (
+        ok and (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
+    ):
+        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        raise ValueError(f"{name}={value!r} must be in {interval}")
+    return float(value)
+
+
+def check_bools(**flags: Any) -> None:
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={flag!r} must be a bool")
+
+
 def check_warmup_steps(warmup_steps: object) -> int:
     """Validate ``warmup_steps=`` (every transform's warm-up: exact all-reduce steps before the
     algorithm starts, counted from the first update)."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps={warmup_steps!r} must be an int ≥ 0")
-    return warmup_steps
+    return check_int("warmup_steps", warmup_steps)
 
 
 NONFINITE_POLICIES = ("skip", "ignore")

@@ -1,4 +1,5 @@
-"""Synchronous data parallelism: gradient all-reduce and per-step parameter averaging.
+"""Synchronous data parallelism: gradient all-reduce (``average_params``, parameter averaging
+after every step, is ``local_sgd`` with period 1).
 
 These are the baselines every other algorithm in optaxdist is measured against. They cover Heat's
 ``DataParallel`` (blocking and non-blocking modes give the same numbers), Apache SINGA's
@@ -17,6 +18,7 @@ import optax
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
+from optaxdist.transforms._checks import check_comm, check_number
 
 REDUCE_OPS = ("mean", "sum", "custom")
 
@@ -70,9 +72,6 @@ def allreduce(
       clip_value: if set, clip every local gradient element to ``[-clip_value, clip_value]`` before
         the cast (SINGA half mode's ``clipping``/``clip_Value``, which keeps fp16 from overflowing).
 
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``.
-
     Example:
       >>> import jax, jax.numpy as jnp, optax, optaxdist
       >>> comm = optaxdist.AxisComm("replica")
@@ -94,10 +93,9 @@ def allreduce(
     if divide_before not in (None, True, False):
         raise ValueError(f"divide_before={divide_before!r}; allowed: None, True, False")
     wire_dtype = canonical_comm_dtype(dtype)
-    if clip_value is not None and not clip_value > 0:
-        raise ValueError(f"clip_value={clip_value!r} must be None or a positive number")
-    if not isinstance(comm, Communicator):
-        raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
+    if clip_value is not None:
+        check_number("clip_value", clip_value, 0, open_low=True)
+    check_comm("comm", comm)
 
     def init_fn(params):
         kind = kind_name("all_reduce", params, wire_dtype)
@@ -124,57 +122,5 @@ def allreduce(
         reduced = jax.tree.map(lambda r, g: r if first(g) else r / denom.astype(r.dtype), reduced, updates)
         kind = kind_name("all_reduce", updates, wire_dtype)
         return reduced, AllReduceState(state.allreduce_ledger.record(kind))
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-class AverageParamsState(NamedTuple):
-    """State of ``average_params``: the ledger of what was sent (replicated)."""
-
-    average_params_ledger: CommLedger
-
-
-@configured("average_params")
-def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTransformationExtraArgs:
-    r"""Average the parameters after every local step (mlbench ``agg_grad=False``).
-
-    Place it *after* the local optimizer. With :math:`u_i` the local update of replica :math:`i`:
-
-    .. math:: x^{+} = \frac{1}{W}\sum_i (x_i + u_i), \qquad \text{returned update } = x^{+} - x_i.
-
-    Optimizer state (momentum, Adam moments) stays local to each replica, as in mlbench. With
-    identical starting parameters and plain SGD this equals gradient all-reduce.
-
-    Communication:
-      One all-reduce per step of every parameter leaf, ``sum(numel(p))`` elements in ``dtype``
-      (the parameters' dtype when None). Ledger kind ``"param_average[<dtype>]"``.
-
-    Args:
-      comm: the group of replicas to average over.
-      dtype: type on the wire (None, ``float32``, ``bfloat16``, ``float16``).
-
-    Example:
-      >>> tx = optax.chain(optax.sgd(0.1), optaxdist.average_params(comm=comm))
-
-    References:
-      mlbench ``GenericCentralizedOptimizer(agg_grad=False)``.
-    """
-    wire_dtype = canonical_comm_dtype(dtype)
-    if not isinstance(comm, Communicator):
-        raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
-
-    def init_fn(params):
-        kind = kind_name("all_reduce", params, wire_dtype, label="param_average")
-        return AverageParamsState(CommLedger.create({kind: payload_bytes(params, wire_dtype)}))
-
-    def update_fn(updates, state, params=None, **extra):
-        del extra
-        if params is None:
-            raise ValueError("average_params needs params: call update(updates, state, params)")
-        local = optax.apply_updates(params, updates)
-        averaged = comm.pmean(local, dtype=wire_dtype)
-        new_updates = jax.tree.map(lambda a, p: (a - p).astype(p.dtype), averaged, params)
-        kind = kind_name("all_reduce", params, wire_dtype, label="param_average")
-        return new_updates, AverageParamsState(state.average_params_ledger.record(kind))
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -13,7 +13,7 @@ from optaxdist.accounting import CommLedger, Kind, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, divides_first
 from optaxdist.compress.base import Compressor
-from optaxdist.transforms._checks import check_warmup_steps
+from optaxdist.transforms._checks import check_comm, check_warmup_steps
 from optaxdist.transforms.allreduce import allreduce
 
 SCOPES = ("leaf", "model")
@@ -96,7 +96,7 @@ def compressed_allreduce(
     Example:
       >>> tx = optax.chain(
       ...     compressed_allreduce(optaxdist.compress.top_k(fraction=0.01), comm=comm),
-      ...     optax.sgd(0.1, momentum=0.9))  # doctest: +SKIP
+      ...     optax.sgd(0.1, momentum=0.9))
 
     References:
       Stich, Cordonnier, Jaggi, "Sparsified SGD with Memory", NeurIPS 2018. Karimireddy et al.,
@@ -106,8 +106,7 @@ def compressed_allreduce(
     """
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be an optaxdist.compress compressor, got {compressor!r}")
-    if not isinstance(comm, Communicator):
-        raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
+    check_comm("comm", comm)
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r}; allowed: {SCOPES}")
     residual_dtype = jnp.dtype(residual_dtype)

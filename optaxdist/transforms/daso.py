@@ -24,8 +24,7 @@ import optax
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_nonfinite, local_step
-from optaxdist.transforms.periodic import check_comm
+from optaxdist.transforms._checks import check_comm, check_int, check_nonfinite, check_number, local_step
 
 NO_GROUP = -1
 
@@ -255,24 +254,14 @@ def _storage_dtype(dtype) -> jnp.dtype:
     return dtype if dtype.itemsize > 4 else jnp.dtype(jnp.float32)
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int ≥ {low}")
-
-
 def _check_cycle(first_cycle: Any) -> tuple[int, int, int]:
-    cycle = tuple(first_cycle) if isinstance(first_cycle, (tuple, list)) else ()
-    if (
-        len(cycle) != 3
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in cycle)
-        or cycle[0] < 1
-        or cycle[1] < 1
-        or cycle[2] < 0
-    ):
-        raise ValueError(
-            f"first_cycle={first_cycle!r} must be None or a tuple of ints (gs ≥ 1, ls ≥ 1, btw ≥ 0)"
-        )
-    return cycle
+    if not isinstance(first_cycle, (tuple, list)) or len(first_cycle) != 3:
+        raise ValueError(f"first_cycle={first_cycle!r} must be None or a tuple (gs ≥ 1, ls ≥ 1, btw ≥ 0)")
+    name = f"first_cycle={tuple(first_cycle)!r}: "
+    gs, ls, btw = (
+        check_int(name + n, v, low) for n, v, low in zip(("gs", "ls", "btw"), first_cycle, (1, 1, 0))
+    )
+    return gs, ls, btw
 
 
 @configured("daso")
@@ -370,10 +359,18 @@ def daso(
       An ``optax.GradientTransformationExtraArgs`` with state ``DasoState``.
 
     Example:
-      >>> h = optaxdist.axis_hierarchy(2, 4)
+      >>> h = optaxdist.axis_hierarchy(2, 4)  # 2 simulated nodes of 4 replicas
       >>> tx = daso(optax.sgd(0.1), local_comm=h.local, cross_comm=h.cross,
       ...           steps_per_epoch=100, total_epochs=90)
-      >>> updates, state = tx.update(grads, state, params, value=loss)  # doctest: +SKIP
+      >>> def step(params, grads, loss):
+      ...     updates, state = tx.update(grads, tx.init(params), params, value=loss)
+      ...     return optax.apply_updates(params, updates)
+      >>> run = optaxdist.simulate(step, axis_name=("node", "local"), shape=(2, 4))
+      >>> grads = jnp.arange(8.0)[:, None] * jnp.ones((8, 2))  # replica i's gradient: i
+      >>> # warm-up: node means (1.5 and 5.5), then a blocking average of the nodes' parameters,
+      >>> # summed in bfloat16 (-0.35 in float32)
+      >>> run(jnp.zeros((8, 2)), grads, jnp.ones(8))[0]
+      Array([-0.3515625, -0.3515625], dtype=float32)
 
     References:
       Coquelin et al., "Accelerating neural network training with distributed asynchronous and
@@ -392,15 +389,14 @@ def daso(
         ("local_skip_factor", local_skip_factor, 1),
         ("plateau_patience", plateau_patience, 0),
     ):
-        _check_int(name, value, low)
+        check_int(name, value, low)
     if max_global_skips // local_skip_factor < 1:
         raise ValueError(
             f"max_global_skips={max_global_skips} < local_skip_factor={local_skip_factor} gives "
             "local_skip = batches_to_wait = 0 after a reset (every sync blocking); use "
             "max_global_skips ≥ local_skip_factor"
         )
-    if not 0 <= stability_level < 1:
-        raise ValueError(f"stability_level={stability_level!r} must be in [0, 1)")
+    check_number("stability_level", stability_level, 0, 1)
     low = canonical_comm_dtype(downcast, name="downcast")
     check_nonfinite(nonfinite)
     quirks = HeatQuirks() if heat_quirks is None else heat_quirks
@@ -525,13 +521,9 @@ def daso(
                     if wire is None
                     else jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), local)
                 )
+                summed = cross_comm.psum(packed, dtype=wire)  # a group of one: rounded to the wire
                 if N > 1:
-                    summed = cross_comm.psum(packed, dtype=wire)
                     led = led.record(kind_name("all_reduce", params, wire, scope="cross"))
-                else:  # a group of one: the "sum" is the value on the wire
-                    summed = jax.tree.map(
-                        lambda x: x if wire is None else x.astype(wire).astype(x.dtype), packed
-                    )
                 return jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), summed), led
 
             return branch

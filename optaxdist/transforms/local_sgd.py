@@ -13,7 +13,8 @@ import optax
 from optaxdist.accounting import Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms.periodic import Sync, SyncInput, check_comm, check_period, periodic, periodic_states
+from optaxdist.transforms._checks import check_comm, check_int
+from optaxdist.transforms.periodic import Sync, SyncInput, periodic, periodic_states
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
 
@@ -94,12 +95,9 @@ def local_sgd(
       local_comm: the node-local group for hierarchical averaging (``Hierarchy.local``).
       local_period: steps between node-local averages; ``period`` must be a multiple of it.
       dtype: wire dtype of the averages (None: the parameters' dtype).
-      check_start: on the first step, check that all replicas start from identical parameters
-        and raise ``ValueError`` otherwise (a uint32 fingerprint per leaf is compared with replica
-        0's: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``). Make them identical with
-        ``broadcast_from_root``.
-      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
-        ``optaxdist.transforms.periodic.periodic``.
+      check_start, nonfinite: the engine's options (``periodic``): raise on the first step if the
+        replicas' parameters differ (make them identical with ``broadcast_from_root``); the local
+        step's non-finite policy.
 
     Example:
       >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)
@@ -109,10 +107,10 @@ def local_sgd(
       "SlowMo", ICLR 2020 (fairscale LocalSGD). PyTorch ``PeriodicModelAverager``,
       ``HierarchicalModelAverager``.
     """
-    check_period("period", period)
+    check_int("period", period, 1)
     if (local_comm is None) != (local_period is None):
         raise ValueError("give both local_comm and local_period for hierarchical averaging, or neither")
-    if local_period is not None and period % check_period("local_period", local_period):
+    if local_period is not None and period % check_int("local_period", local_period, 1):
         raise ValueError(f"local_period={local_period!r} must divide period={period}")
     check_comm("comm", comm)
     if local_comm is not None:
@@ -164,6 +162,34 @@ def local_sgd(
         dtype=dtype,
         check_start=check_start,
         nonfinite=nonfinite,
+    )
+
+
+@configured("average_params")
+def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+    r"""Average the parameters after every local step (mlbench ``agg_grad=False``).
+
+    Place it *after* the local optimizer. With :math:`u_i` the local update of replica :math:`i`:
+
+    .. math:: x^{+} = \frac{1}{W}\sum_i (x_i + u_i), \qquad \text{returned update } = x^{+} - x_i.
+
+    Optimizer state (momentum, Adam moments) stays local to each replica, as in mlbench. It is
+    ``local_sgd(optax.identity(), comm=comm, period=1, dtype=dtype)`` without the start check (the
+    first average makes the replicas identical) and without a non-finite policy (state
+    ``PeriodicState``). With identical starting parameters and plain SGD this equals gradient
+    all-reduce.
+
+    Communication: one all-reduce per step of every parameter element in ``dtype`` (the
+    parameters' dtype when None), ledger ``param_average[<dtype>]``.
+
+    Example:
+      >>> tx = optax.chain(optax.sgd(0.1), optaxdist.average_params(comm=comm))
+
+    References:
+      mlbench ``GenericCentralizedOptimizer(agg_grad=False)``.
+    """
+    return local_sgd(
+        optax.identity(), comm=comm, period=1, dtype=dtype, check_start=False, nonfinite="ignore"
     )
 
 

@@ -17,7 +17,7 @@ import optax
 from optaxdist.accounting import CommLedger, Kind, keep_ledgers
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
-from optaxdist.transforms._checks import all_finite, find_states
+from optaxdist.transforms._checks import all_finite, check_comm, check_int, check_number, find_states
 
 AGREE_KIND = Kind("all_reduce", "int32", label="agree")
 _F32_TINY = float(np.finfo(np.float32).tiny)
@@ -83,7 +83,8 @@ def dynamic_loss_scale(
     Args:
       inner: the optimizer to protect, typically ``optax.chain(allreduce(comm=c), optax.sgd(...))``.
       comm: the group whose replicas must skip together; None for a single replica.
-      init_scale: initial scale (PyTorch/Flax: 2**16; mlbench FP16Optimizer: 1024).
+      init_scale: initial scale (mlbench FP16Optimizer: 1024). The defaults are PyTorch's
+        ``GradScaler`` / Flax's ``DynamicScale``: 2**16, ×2 every 2000 finite steps, ×0.5 on overflow.
       growth_factor: factor applied after ``growth_interval`` finite steps (≥ 1).
       backoff_factor: factor applied on overflow (in (0, 1]).
       growth_interval: number of consecutive finite steps before growing (≥ 1).
@@ -93,26 +94,24 @@ def dynamic_loss_scale(
 
     Example:
       >>> tx = dynamic_loss_scale(optax.chain(optaxdist.allreduce(comm=c), optax.sgd(0.1)), comm=c)
-      >>> grads = jax.grad(lambda p: scale_loss(loss_fn(p), opt_state))(params)  # doctest: +SKIP
+      >>> params = jnp.ones(2)
+      >>> opt_state = tx.init(params)
+      >>> jax.grad(lambda p: scale_loss(jnp.sum(p**2), opt_state))(params)  # the scaled gradient
+      Array([131072., 131072.], dtype=float32)
 
     References:
       Micikevicius et al., "Mixed Precision Training", ICLR 2018. mlbench ``FP16Optimizer``;
       PyTorch ``torch.amp.GradScaler``; Flax ``DynamicScale``.
     """
-    if not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ValueError(f"growth_interval={growth_interval!r} must be an int ≥ 1")
-    if not init_scale > 0:
-        raise ValueError(f"init_scale={init_scale!r} must be > 0")
-    if not growth_factor >= 1:
-        raise ValueError(f"growth_factor={growth_factor!r} must be ≥ 1")
-    if not 0 < backoff_factor <= 1:
-        raise ValueError(f"backoff_factor={backoff_factor!r} must be in (0, 1]")
-    if not min_scale > 0:
-        raise ValueError(f"min_scale={min_scale!r} must be > 0")
-    if max_scale is not None and not max_scale >= init_scale:
-        raise ValueError(f"max_scale={max_scale!r} must be None or ≥ init_scale={init_scale}")
-    if comm is not None and not isinstance(comm, Communicator):
-        raise TypeError(f"comm must be an optaxdist Communicator or None, got {type(comm)}")
+    check_int("growth_interval", growth_interval, 1)
+    check_number("init_scale", init_scale, 0, open_low=True)
+    check_number("growth_factor", growth_factor, 1)
+    check_number("backoff_factor", backoff_factor, 0, 1, open_low=True, open_high=False)
+    check_number("min_scale", min_scale, 0, open_low=True)
+    if max_scale is not None:
+        check_number("max_scale", max_scale, init_scale)
+    if comm is not None:
+        check_comm("comm", comm)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
@@ -174,16 +173,6 @@ def mlbench_loss_scale(
         min_scale=1e-4,
         raise_at_min_scale=True,
     )
-    return dynamic_loss_scale(inner, comm=comm, **(kw | overrides))
-
-
-@configured("pytorch_loss_scale")
-def pytorch_loss_scale(
-    inner: optax.GradientTransformation, *, comm: Communicator | None = None, **overrides: Any
-) -> optax.GradientTransformationExtraArgs:
-    """PyTorch ``GradScaler`` / Flax ``DynamicScale`` defaults: init 2**16, ×2 every 2000 finite
-    steps, ×0.5 on overflow, minimum float32 tiny (clamped, never raises)."""
-    kw = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)
     return dynamic_loss_scale(inner, comm=comm, **(kw | overrides))
 
 

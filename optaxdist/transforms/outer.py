@@ -22,9 +22,9 @@ from jax.flatten_util import ravel_pytree
 from optaxdist.accounting import Kind, dtype_label, kind_name, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_float_leaves
-from optaxdist.transforms.partial import Partition, balanced_fragments, resolve_partition
-from optaxdist.transforms.periodic import SyncInput, check_comm, check_period, periodic
+from optaxdist.partition import Partition, balanced_fragments, resolve_partition
+from optaxdist.transforms._checks import check_comm, check_float_leaves, check_int, check_number
+from optaxdist.transforms.periodic import SyncInput, periodic
 
 
 @jax.tree_util.register_static
@@ -99,74 +99,90 @@ def sharded_payloads(fragments: Partition, leaves, num_shards: int) -> dict[Kind
 @configured("outer_sync")
 def outer_sync(
     inner: optax.GradientTransformation,
-    outer: optax.GradientTransformation,
+    outer: optax.GradientTransformation | None = None,
     *,
     comm: Communicator,
     period: int,
-    reducer: optax.GradientTransformation | None = None,
-    num_shards: int | None = None,
     num_fragments: int = 1,
     fragments: Partition | Any | None = None,
     delay: int = 0,
     blend: float = 0.0,
+    reducer: optax.GradientTransformation | None = None,
+    num_shards: int | None = None,
     dtype: Any = None,
     anchor_after_first_step: bool = False,
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
-    r"""The engine behind ``diloco``, ``slowmo`` and ``streaming_diloco``; see ``diloco`` for the
-    math and ``streaming_diloco`` for fragments.
+    r"""Local steps of ``inner``; every ``period`` steps an ``outer`` step per fragment on the
+    replicas' averaged displacement. ``diloco``, ``slowmo`` and ``streaming_diloco`` are this one
+    function.
+
+    Fragment :math:`f` of :math:`F` (its leaves; :math:`F = 1`: all of them) syncs on the steps
+    :math:`t` with :math:`(t + 1 + f H / F) \bmod H = 0`:
+
+    .. math::
+        \Delta_f = \frac1W\sum_i (x_{0,f} - x_{i,f}), \qquad
+        x_{0,f} \leftarrow x_{0,f} + \mathrm{outer}_f(\Delta_f), \qquad
+        x_{i,f} \leftarrow \alpha\, x_{i,f} + (1-\alpha)\, x_{0,f}
+
+    with :math:`x_0` the anchor (the parameters at the fragment's last sync, initially those passed
+    to ``init``); the last assignment (the merge) runs ``delay`` steps after the sync
+    (Streaming DiLoCo's overlap; the collective itself runs at the sync), α = ``blend``.
+
+    Communication: on a fragment's sync the ``reducer``'s collective on its pseudo-gradient; by
+    default one all-reduce of the fragment in ``dtype`` (ledger ``all_reduce[<dtype>]``, with
+    fragments ``all_reduce[fragment<f>:<dtype>]``), ``P/H`` bytes per step on average. With
+    ``num_shards``: a reduce-scatter of the fragment at its sync and an all-gather of ``1/W`` of it
+    at its merge. Nothing on other steps (a branch of the engine's ``lax.switch``).
 
     Args:
       inner: the local optimizer.
-      outer: the outer optimizer, applied to each fragment's averaged pseudo-gradient at its
-        syncs. Its ``update`` receives the extra argument ``inner_step`` (the 0-based step of the
-        sync).
+      outer: the outer optimizer of every fragment (default ``diloco_outer_optimizer()``: Nesterov
+        SGD, lr 0.7, momentum 0.9). Its ``update`` receives the extra argument ``inner_step`` (the
+        0-based step of the sync).
       comm: all replicas.
-      period: inner steps between a fragment's syncs (≥ 1).
-      reducer: how the per-replica pseudo-gradients ``x₀ − x_i`` are averaged: any gradient
-        transformation that averages over ``comm`` (e.g. ``compressed_allreduce(compress.top_k(...),
-        comm=comm)`` for compressed pseudo-gradients with error feedback, one state per fragment).
-        Default: ``comm.pmean`` in ``dtype`` (ledger ``all_reduce[...]``).
-      num_shards: memory-efficient mode: shard each fragment's ``x₀`` and outer state over the
-        ``num_shards`` (= ``comm.size``) replicas; a sync is a reduce-scatter of the fragment, the
-        outer update on this replica's block, and an all-gather of the new anchor (at the merge).
-        Same numbers for element-wise outer optimizers (SGD, Nesterov, Adam), ``1/W`` of the outer
-        memory. Incompatible with a custom ``reducer``.
-      num_fragments: F (dividing ``period``); fragment ``f`` syncs when ``(t + 1 + f·H/F) mod H = 0``.
-        1: DiLoCo.
+      period: H, inner steps between a fragment's syncs (≥ 1).
+      num_fragments: F (dividing ``period``); 1: DiLoCo.
       fragments: the F fragments as tuples of leaf indices (of ``jax.tree.leaves(params)``) or a
         function of the parameters returning them (default ``balanced_fragments``).
       delay: steps between a fragment's sync and the merge of its new anchor (``< H / F``).
       blend: α ∈ [0, 1), the weight of the local value at the merge (0: replace).
+      reducer: how the per-replica pseudo-gradients ``x₀ − x_i`` are averaged: any gradient
+        transformation that averages over ``comm`` (e.g. ``compressed_allreduce(compress.top_k(...),
+        comm=comm)`` for compressed pseudo-gradients with error feedback, one state per fragment).
+        Default: ``comm.pmean`` in ``dtype``.
+      num_shards: memory-efficient mode: shard each fragment's ``x₀`` and outer state over the
+        ``num_shards`` (= ``comm.size``) replicas: a sync is a reduce-scatter, the outer update on
+        this replica's block, and an all-gather of the new anchor at the merge. Same numbers for
+        element-wise outer optimizers (SGD, Nesterov, Adam), ``1/W`` of the outer memory.
+        Incompatible with a custom ``reducer`` and with ``dtype``.
       dtype: wire dtype of the default mean (None: the parameters' dtype).
       anchor_after_first_step: take ``x₀`` *after* the first local step (fairscale's behaviour:
         the first sync then covers ``period − 1`` steps) as the replicas' mean (one extra
         all-reduce, ledger ``anchor_average[...]``), instead of the parameters before it.
-      warmup_steps: synchronous steps (gradients all-reduced) before the local steps start; the
-        anchors are taken when they end.
-      check_start: on the first step, raise ``ValueError`` if the replicas' parameters differ
-        (fingerprints compared: 4 bytes per leaf and a 4-byte vote, ledger
-        ``broadcast[start check]``).
-      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
-        ``optaxdist.transforms.periodic.periodic``.
+      warmup_steps, check_start, nonfinite: the engine's options, see ``periodic`` (synchronous
+        steps before the local steps, after which the anchors are taken; the first step's check
+        that the replicas start identical; the local step's non-finite policy).
+
+    References:
+      Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
+      arXiv:2311.08105; "Streaming DiLoCo with overlapping communication: Towards a Distributed
+      Free Lunch", arXiv:2501.18512.
     """
-    check_period("period", period)
+    check_int("period", period, 1)
     check_comm("comm", comm)
-    if num_shards is not None and (not isinstance(num_shards, int) or num_shards < 1):
-        raise ValueError(f"num_shards={num_shards!r} must be None or an int ≥ 1 (the group size)")
-    if num_shards is not None and reducer is not None:
-        raise ValueError("num_shards (memory-efficient mode) and a custom reducer can't be combined")
-    if not isinstance(num_fragments, int) or num_fragments < 1 or period % num_fragments:
-        raise ValueError(f"num_fragments={num_fragments!r} must be an int ≥ 1 dividing period={period}")
+    if num_shards is not None:
+        check_int("num_shards", num_shards, 1)
+        if reducer is not None or dtype is not None:
+            raise ValueError("num_shards (memory-efficient mode) can't be combined with a reducer or a dtype")
+    if check_int("num_fragments", num_fragments, 1) and period % num_fragments:
+        raise ValueError(f"num_fragments={num_fragments!r} must divide period={period}")
     stride = period // num_fragments
-    if not isinstance(delay, int) or not 0 <= delay < stride:
-        raise ValueError(f"delay={delay!r} must be an int in [0, period / num_fragments = {stride})")
-    if not 0 <= blend < 1:
-        raise ValueError(f"blend={blend!r} must be in [0, 1)")
-    if num_shards is not None and dtype is not None:
-        raise ValueError("dtype (the default all-reduce's wire dtype) does not apply with num_shards")
+    check_int("delay", delay, 0, stride)
+    check_number("blend", blend, 0, 1)
+    outer = outer if outer is not None else diloco_outer_optimizer()
     wire = canonical_comm_dtype(dtype)
     outer = optax.with_extra_args_support(outer)
     reducer = optax.with_extra_args_support(reducer) if reducer is not None else None
@@ -383,14 +399,7 @@ def diloco(
         momentum 0.9).
       comm: all replicas.
       period: H, local steps between syncs (DiLoCo: 500).
-      reducer: averages the pseudo-gradients (default: ``comm.pmean`` in ``dtype``).
-      num_shards: shard the anchor and outer state over the replicas (``= comm.size``).
-      dtype: wire dtype of the default all-reduce (None: the parameters' dtype).
-      warmup_steps: synchronous steps (gradients all-reduced) before the local steps; the anchor
-        is taken when they end.
-      check_start: raise on the first step if the replicas' parameters differ.
-      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
-        ``optaxdist.transforms.periodic.periodic``.
+      reducer, num_shards, dtype, warmup_steps, check_start, nonfinite: see ``outer_sync``.
 
     Example:
       >>> tx = diloco(optax.adamw(4e-4), comm=comm, period=500)
@@ -401,7 +410,7 @@ def diloco(
     """
     return outer_sync(
         inner,
-        outer if outer is not None else diloco_outer_optimizer(),
+        outer,
         comm=comm,
         period=period,
         reducer=reducer,
@@ -485,22 +494,16 @@ def slowmo(
         own). Default: the parameters before training.
       num_shards: shard ``x₀`` and ``u`` over the ``num_shards = comm.size`` replicas (fairscale's
         ``memory_efficient``; static). None: every replica holds them whole.
-      warmup_steps: synchronous steps (gradients all-reduced) before the local steps; the anchor
-        is taken when they end.
-      check_start: raise on the first step if the replicas' parameters differ.
-      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
-        ``optaxdist.transforms.periodic.periodic``.
+      warmup_steps, check_start, nonfinite: the engine's options (``outer_sync``).
 
     References:
       Wang, Tantia, Ballas, Rabbat, "SlowMo: Improving Communication-Efficient Distributed SGD with
       Slow Momentum", ICLR 2020. fairscale ``SlowMoDistributedDataParallel``.
     """
-    if not 0 <= momentum < 1:
-        raise ValueError(f"momentum={momentum!r} must be in [0, 1)")
+    check_number("momentum", momentum, 0, 1)
     if not callable(learning_rate) and not learning_rate > 0:
         raise ValueError(f"learning_rate={learning_rate!r} must be > 0 (SlowMo divides by it) or a schedule")
-    if not slow_lr > 0:
-        raise ValueError(f"slow_lr={slow_lr!r} must be > 0")
+    check_number("slow_lr", slow_lr, 0, open_low=True)
     return outer_sync(
         inner,
         slowmo_outer_optimizer(learning_rate, momentum=momentum, slow_lr=slow_lr),
@@ -519,71 +522,21 @@ def streaming_diloco(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation | None = None,
     *,
-    comm: Communicator,
-    period: int,
     num_fragments: int,
-    delay: int = 0,
-    blend: float = 0.0,
-    fragments: Partition | Any | None = None,
-    reducer: optax.GradientTransformation | None = None,
-    num_shards: int | None = None,
-    dtype: Any = None,
-    warmup_steps: int = 0,
-    check_start: bool = True,
-    nonfinite: str = "skip",
+    **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Streaming DiLoCo: DiLoCo per fragment, fragment syncs staggered across the period.
+    r"""Streaming DiLoCo: DiLoCo per fragment, the fragments' syncs staggered across the period;
+    ``outer_sync`` with ``num_fragments`` fragments (its other options: ``comm``, ``period``,
+    ``delay``, ``blend``, ``fragments``, ``reducer``, ``num_shards``, ``dtype``, the engine's).
 
-    Fragment :math:`f` of :math:`F` syncs on steps :math:`t` with
-    :math:`(t + 1 + f H / F) \bmod H = 0`. Its sync is DiLoCo's on its leaves only:
-    :math:`\Delta_f = \frac1W\sum_i (x_{0,f} - x_{i,f})`, :math:`x_{0,f} \leftarrow x_{0,f} +
-    \mathrm{outer}_f(\Delta_f)`. The new anchor is merged ``delay`` steps later (the paper's
-    overlap semantics; the all-reduce itself runs at the sync step) as
-    :math:`x_{i,f} \leftarrow \alpha\, x_{i,f} + (1-\alpha) x_{0,f}` with :math:`\alpha` = ``blend``
-    (0: replace). One fragment, no delay, no blend is ``diloco``, on the same code path.
+    The same ``P/H`` bytes per step on average as DiLoCo with ``F`` times lower peak; with ``delay``
+    the paper's overlap (the new anchor merged ``delay`` steps after its all-reduce).
 
-    Communication: one all-reduce of one fragment's parameters on each fragment sync, i.e. the
-    same ``P/H`` bytes per step on average as DiLoCo with ``F`` times lower peak (ledger
-    ``all_reduce[fragment<f>:<dtype>]``); with a ``reducer``, what it sends; with ``num_shards``, a
-    reduce-scatter of the fragment at its sync and an all-gather of ``1/W`` of it at its merge.
-
-    Args:
-      inner: the local optimizer.
-      outer: the outer optimizer for every fragment (default DiLoCo's Nesterov SGD 0.7 / 0.9).
-      comm: all replicas.
-      period: H, the outer period of every fragment.
-      num_fragments: F; ``H`` must be a multiple of ``F``.
-      delay: τ, steps between a fragment's sync and the merge of its new anchor; ``< H / F`` so at
-        most one merge is pending.
-      blend: α ∈ [0, 1), the weight of the local value at the merge.
-      fragments: explicit fragments (tuples of leaf indices); default ``balanced_fragments``.
-      reducer: averages each fragment's pseudo-gradient (one state per fragment; default
-        ``comm.pmean`` in ``dtype``), e.g. ``compressed_allreduce(...)``.
-      num_shards: shard each fragment's anchor and outer state over the replicas (``= comm.size``).
-      dtype: wire dtype of the default all-reduce (None: the parameters' dtype).
-      warmup_steps: synchronous steps before the local steps; the anchors are taken when they end.
-      check_start: raise on the first step if the replicas' parameters differ (compares a
-        fingerprint: 4 bytes per leaf).
-      nonfinite: the local step's non-finite policy, ``"skip"`` (default) or ``"ignore"``; see
-        ``optaxdist.transforms.periodic.periodic``.
+    Example:
+      >>> tx = streaming_diloco(optax.adamw(4e-4), comm=comm, period=100, num_fragments=4, delay=5)
 
     References:
       Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a Distributed
       Free Lunch", arXiv:2501.18512.
     """
-    return outer_sync(
-        inner,
-        outer if outer is not None else diloco_outer_optimizer(),
-        comm=comm,
-        period=period,
-        reducer=reducer,
-        num_shards=num_shards,
-        num_fragments=num_fragments,
-        fragments=fragments,
-        delay=delay,
-        blend=blend,
-        dtype=dtype,
-        warmup_steps=warmup_steps,
-        check_start=check_start,
-        nonfinite=nonfinite,
-    )
+    return outer_sync(inner, outer, num_fragments=num_fragments, **options)

@@ -17,15 +17,7 @@ Everything else exists once, here, for all of them:
 A synchronization is a function ``SyncInput → SyncInput`` that replaces ``local`` (the parameters
 after this replica's local step) by the parameters every replica continues from, and updates its
 own state and the ledger. It may call the communicator; it runs only on the steps the schedule
-gives it. The smallest example, parameter averaging every ``period`` steps::
-
-    def average(x: SyncInput) -> SyncInput:
-        return x._replace(local=comm.pmean(x.local), ledger=x.ledger.record(kind))
-
-    tx = periodic(
-        inner, comm=comm, name="my_local_sgd", schedule=lambda t, n: jnp.where((t + 1) % period == 0, 1, 0),
-        syncs=[average], kinds=lambda params, inner_state: {kind: payload_bytes(params)},
-    )
+gives it. ``docs/architecture.md`` builds an algorithm on it in one file.
 """
 
 from __future__ import annotations
@@ -39,7 +31,13 @@ import optax
 
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_nonfinite, check_warmup_steps, find_states, local_step
+from optaxdist.transforms._checks import (
+    check_comm,
+    check_nonfinite,
+    check_warmup_steps,
+    find_states,
+    local_step,
+)
 from optaxdist.transforms._start import check_identical_start, start_kinds
 
 
@@ -89,18 +87,6 @@ class SyncInput(NamedTuple):
 
 
 Sync = Callable[[SyncInput], SyncInput]
-
-
-def check_period(name: str, value: Any) -> int:
-    """Validate an ``int ≥ 1`` schedule parameter at construction."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int ≥ 1")
-    return value
-
-
-def check_comm(name: str, comm: Any) -> None:
-    if not isinstance(comm, Communicator):
-        raise TypeError(f"{name} must be an optaxdist Communicator, got {type(comm).__name__}")
 
 
 def periodic(

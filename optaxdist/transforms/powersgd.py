@@ -9,25 +9,29 @@ listed in ``docs/transforms/powersgd.md``.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optaxdist._compat import pcast_varying, varying_axes
 from optaxdist.accounting import CommLedger, Kind, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
-from optaxdist.transforms._checks import check_warmup_steps
+from optaxdist.compress.lowrank import (
+    F32,
+    HIGHEST,
+    LowRankPlan,
+    draw_q,
+    initial_q,
+    make_plan,
+    orthonormalize,
+    vary_like,
+)
+from optaxdist.transforms._checks import check_bools, check_comm, check_int, check_number, check_warmup_steps
 
 P_KIND = Kind("all_reduce", "float32", label="powersgd_p")
 Q_KIND = Kind("all_reduce", "float32", label="powersgd_q")
-_F32 = jnp.dtype(jnp.float32)
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 class PowerSgdState(NamedTuple):
@@ -54,65 +58,7 @@ class PowerSgdState(NamedTuple):
     powersgd_ledger: CommLedger
 
 
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    n: int
-    m: int
-    r: int
-    dtype: jnp.dtype  # the gradient dtype of every member
-    leaves: tuple[int, ...]  # indices into the flattened gradient leaves
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Static decisions, fixed by the leaves' shapes and dtypes: which leaves are compressed and
-    how they are grouped, and which travel exactly."""
-
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[jnp.dtype, ...]
-    groups: tuple[_Group, ...]
-    exact: tuple[int, ...]  # uncompressed leaves (ndim ≤ 1, or failing the compression-rate test)
-
-    def by_dtype(self, indices) -> dict[jnp.dtype, list[int]]:
-        out: dict[jnp.dtype, list[int]] = {}
-        for i in indices:
-            out.setdefault(self.dtypes[i], []).append(i)
-        return out
-
-    def numel(self, i: int) -> int:
-        return math.prod(self.shapes[i])
-
-
-def _matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The matrix view of a leaf: all axes but the last are rows, the last axis is the columns."""
-    return math.prod(shape[:-1]), shape[-1]
-
-
-def _make_plan(leaves, rank: int, min_compression_rate: float, batch_same_shape: bool) -> _Plan:
-    shapes = tuple(tuple(int(d) for d in x.shape) for x in leaves)
-    dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
-    groups: dict[Any, list] = {}
-    exact = []
-    for i, (shape, dt) in enumerate(zip(shapes, dtypes)):
-        if len(shape) < 2 or not jnp.issubdtype(dt, jnp.floating):
-            exact.append(i)
-            continue
-        n, m = _matrix_shape(shape)
-        r = min(n, m, rank)
-        if not (n + m) * r * min_compression_rate < n * m:
-            exact.append(i)
-            continue
-        key = (n, m, dt) if batch_same_shape else i
-        groups.setdefault(key, [n, m, r, dt, []])[4].append(i)
-    return _Plan(
-        shapes,
-        dtypes,
-        tuple(_Group(n, m, r, dt, tuple(ix)) for n, m, r, dt, ix in groups.values()),
-        tuple(exact),
-    )
-
-
-def _kinds(plan: _Plan, warmup_steps: int) -> dict[Kind, int]:
+def _kinds(plan: LowRankPlan, warmup_steps: int) -> dict[Kind, int]:
     """Ledger kinds with the static payload (bytes) of one event of each."""
     kinds = {}
     if plan.groups:
@@ -128,63 +74,6 @@ def _kinds(plan: _Plan, warmup_steps: int) -> dict[Kind, int]:
     return kinds
 
 
-def _draw_q(seed: int, leaf: int, step, m: int, r: int) -> jax.Array:
-    """The random query of one leaf: a function of (seed, leaf index, step) only, identical on
-    every replica."""
-    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), leaf), step)
-    return jax.random.normal(key, (m, r), _F32)
-
-
-def _initial_q(seed: int, group: _Group) -> np.ndarray:
-    """The initial draw of a group, ``(B, m, r)`` float32 standard normal: a constant computed
-    on the host from NumPy's legacy ``RandomState`` seeded with ``[seed, leaf index]``, whose
-    stream NumPy keeps frozen across versions, so every replica draws the same bits."""
-    return np.stack(
-        [
-            np.random.RandomState([seed, i]).standard_normal((group.m, group.r)).astype(np.float32)
-            for i in group.leaves
-        ]
-    )
-
-
-def orthonormalize(a: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
-    """Gram–Schmidt with re-orthogonalization on the columns of ``a`` (``(..., k, r)``, float32).
-
-    Column ``i`` loses its projection on the finished columns ``0..i−1`` twice, then is divided by
-    its norm if that norm exceeds ``epsilon`` and the second pass kept at least half of it;
-    otherwise it becomes exactly zero (Kahan–Parlett "twice is enough": a column that loses more
-    than half its norm in the second pass is rounding noise in the span of the previous columns).
-    So the output columns are orthonormal to float32 precision or zero, never NaN, and ``A Aᵀ``
-    is an orthogonal projection.
-
-    Returns:
-      The orthonormalized ``a`` and a ``(..., r)`` bool array: which columns were kept (norm > ε).
-    """
-    r = a.shape[-1]
-
-    def column(i, carry):
-        out, kept = carry
-        v = jax.lax.dynamic_index_in_dim(a, i, axis=-1, keepdims=False)
-        norms = []
-        for _ in range(2):  # columns ≥ i of ``out`` are still zero: they remove nothing
-            coef = jnp.einsum("...kr,...k->...r", out, v, precision=_HIGHEST)
-            v = v - jnp.einsum("...kr,...r->...k", out, coef, precision=_HIGHEST)
-            norms.append(jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True)))
-        norm = norms[1]
-        # Kahan–Parlett: a second pass that removes more than half the norm means the column was
-        # rounding noise inside the span of the previous ones: it is dependent, drop it.
-        ok = (norm > epsilon) & (norm >= 0.5 * norms[0])
-        v = jnp.where(ok, v / jnp.where(ok, norm, 1.0), 0.0)
-        out = jax.lax.dynamic_update_index_in_dim(out, v, i, axis=-1)
-        kept = jax.lax.dynamic_update_index_in_dim(kept, ok, i, axis=-1)
-        return out, kept
-
-    init = _like((jnp.zeros_like(a), jnp.zeros(a.shape[:-2] + (r,), jnp.bool_)), (a, a))
-    if r == 1:
-        return column(0, init)
-    return jax.lax.fori_loop(0, r, column, init)
-
-
 def _fused_psum(comm: Communicator, arrays: list[jax.Array], *, mean: bool) -> list[jax.Array]:
     """One all-reduce of several same-dtype arrays (flattened and concatenated)."""
     flat = jnp.concatenate([x.reshape(-1) for x in arrays])
@@ -194,11 +83,6 @@ def _fused_psum(comm: Communicator, arrays: list[jax.Array], *, mean: bool) -> l
         out.append(flat[start : start + x.size].reshape(x.shape))
         start += x.size
     return out
-
-
-def _like(new, old):
-    """``new`` marked varying over the mesh axes over which ``old`` varies (shard_map types)."""
-    return jax.tree.map(lambda n, o: pcast_varying(n, tuple(varying_axes(o))), new, old)
 
 
 @configured("powersgd")
@@ -279,9 +163,6 @@ def powersgd(
       batch_same_shape: stack same-shaped matrices and use batched matmuls (speed only).
       compress_single_replica: compress even with one replica (PyTorch does; mlbench does not).
 
-    Returns:
-      An ``optax.GradientTransformationExtraArgs``.
-
     Example:
       >>> import jax, jax.numpy as jnp, optax, optaxdist
       >>> from optaxdist.transforms.powersgd import powersgd
@@ -301,47 +182,30 @@ def powersgd(
       Distributed Optimization", NeurIPS 2019. PyTorch ``torch.distributed.algorithms.
       ddp_comm_hooks.powerSGD_hook``; mlbench ``PowerSGD`` / ``PowerAggregation``.
     """
-    if not isinstance(comm, Communicator):
-        raise TypeError(f"comm must be an optaxdist Communicator, got {type(comm).__name__}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"rank={rank!r} must be an int ≥ 1")
+    check_comm("comm", comm)
+    check_int("rank", rank, 1)
     check_warmup_steps(warmup_steps)
-    if (
-        isinstance(min_compression_rate, bool)
-        or not isinstance(min_compression_rate, (int, float))
-        or not 0 < min_compression_rate < math.inf
-    ):
-        raise ValueError(f"min_compression_rate={min_compression_rate!r} must be a finite number > 0")
-    if (
-        isinstance(orthogonalization_epsilon, bool)
-        or not isinstance(orthogonalization_epsilon, (int, float))
-        or not 0 <= orthogonalization_epsilon < math.inf
-    ):
-        raise ValueError(
-            f"orthogonalization_epsilon={orthogonalization_epsilon!r} must be a finite number ≥ 0"
-        )
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed={seed!r} must be an int in [0, 2**32)")
-    for name, flag in [
-        ("error_feedback", error_feedback),
-        ("warm_start", warm_start),
-        ("batch_same_shape", batch_same_shape),
-        ("compress_single_replica", compress_single_replica),
-    ]:
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name}={flag!r} must be a bool")
+    check_number("min_compression_rate", min_compression_rate, 0, open_low=True)
+    check_number("orthogonalization_epsilon", orthogonalization_epsilon)
+    check_int("seed", seed, 0, 2**32)
+    check_bools(
+        error_feedback=error_feedback,
+        warm_start=warm_start,
+        batch_same_shape=batch_same_shape,
+        compress_single_replica=compress_single_replica,
+    )
     eps = float(orthogonalization_epsilon)
 
-    def plan_of(leaves) -> _Plan:
-        return _make_plan(leaves, rank, float(min_compression_rate), batch_same_shape)
+    def plan_of(leaves) -> LowRankPlan:
+        return make_plan(leaves, rank, float(min_compression_rate), batch_same_shape)
 
     def init_fn(params):
         leaves = jax.tree.leaves(params)
         plan = plan_of(leaves)
-        qs = tuple(jnp.asarray(_initial_q(seed, g)) for g in plan.groups)
+        qs = tuple(jnp.asarray(initial_q(seed, g)) for g in plan.groups)
         errors = ()
         if error_feedback:
-            errors = tuple(per_replica(jnp.zeros((len(g.leaves), g.n, g.m), _F32), comm) for g in plan.groups)
+            errors = tuple(per_replica(jnp.zeros((len(g.leaves), g.n, g.m), F32), comm) for g in plan.groups)
         return PowerSgdState(
             powersgd_step=jnp.zeros((), jnp.int32),
             powersgd_q=qs,
@@ -349,14 +213,14 @@ def powersgd(
             powersgd_ledger=CommLedger.create(_kinds(plan, warmup_steps)),
         )
 
-    def exact_step(plan: _Plan, leaves):
+    def exact_step(plan: LowRankPlan, leaves):
         out = list(leaves)
         for ix in plan.by_dtype(range(len(leaves))).values():
             for i, x in zip(ix, _fused_psum(comm, [leaves[i] for i in ix], mean=True)):
                 out[i] = x
         return out
 
-    def compressed_step(plan: _Plan, leaves, state: PowerSgdState, step):
+    def compressed_step(plan: LowRankPlan, leaves, state: PowerSgdState, step):
         out = list(leaves)
         for ix in plan.by_dtype(plan.exact).values():
             for i, x in zip(ix, _fused_psum(comm, [leaves[i] for i in ix], mean=True)):
@@ -364,26 +228,26 @@ def powersgd(
 
         ms, q_starts = [], []
         for k, g in enumerate(plan.groups):
-            m = jnp.stack([leaves[i].astype(_F32).reshape(g.n, g.m) for i in g.leaves])
+            m = jnp.stack([leaves[i].astype(F32).reshape(g.n, g.m) for i in g.leaves])
             if error_feedback:
                 m = m + state.powersgd_error[k]
             ms.append(m)
             if warm_start:
                 with jax.ensure_compile_time_eval():  # a constant: computed once, at trace time
-                    restart, _ = orthonormalize(jnp.asarray(_initial_q(seed, g)), eps)
+                    restart, _ = orthonormalize(jnp.asarray(initial_q(seed, g)), eps)
                 warm, kept = orthonormalize(state.powersgd_q[k], eps)
                 usable = jnp.all(kept, axis=-1)[:, None, None]
                 q_starts.append(jnp.where(usable, warm, restart))
             else:
-                fresh = jnp.stack([_draw_q(seed, i, step, g.m, g.r) for i in g.leaves])
+                fresh = jnp.stack([draw_q(seed, i, step, g.m, g.r) for i in g.leaves])
                 q_starts.append(orthonormalize(fresh, eps)[0])
 
         if not plan.groups:
             return out, state.powersgd_q, state.powersgd_error
 
-        ps = [jnp.einsum("bnm,bmr->bnr", m, q, precision=_HIGHEST) for m, q in zip(ms, q_starts)]
+        ps = [jnp.einsum("bnm,bmr->bnr", m, q, precision=HIGHEST) for m, q in zip(ms, q_starts)]
         ps = [orthonormalize(p, eps)[0] for p in _fused_psum(comm, ps, mean=False)]
-        qs = [jnp.einsum("bnm,bnr->bmr", m, p, precision=_HIGHEST) for m, p in zip(ms, ps)]
+        qs = [jnp.einsum("bnm,bnr->bmr", m, p, precision=HIGHEST) for m, p in zip(ms, ps)]
         qs = _fused_psum(comm, qs, mean=True)
 
         errors = []
@@ -391,17 +255,17 @@ def powersgd(
             # One product per member, written straight into its output leaf (slicing a batched
             # (B, n, m) reconstruction would copy every matrix once more).
             sent = [
-                jnp.matmul(ps[k][b], qs[k][b].T, precision=_HIGHEST).astype(g.dtype)
+                jnp.matmul(ps[k][b], qs[k][b].T, precision=HIGHEST).astype(g.dtype)
                 for b in range(len(g.leaves))
             ]
             for b, i in enumerate(g.leaves):
                 out[i] = sent[b].reshape(plan.shapes[i])
             if error_feedback:
-                errors.append(per_replica(ms[k] - jnp.stack(sent).astype(_F32), comm))
+                errors.append(per_replica(ms[k] - jnp.stack(sent).astype(F32), comm))
         return (
             out,
-            _like(tuple(qs), state.powersgd_q),
-            _like(tuple(errors), state.powersgd_error),
+            vary_like(tuple(qs), state.powersgd_q),
+            vary_like(tuple(errors), state.powersgd_error),
         )
 
     def update_fn(updates, state, params=None, **extra):
