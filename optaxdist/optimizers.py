@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxdist.agreement import configured
+from optaxdist.transforms._checks import check_bools, check_number
 
 
 def _check_sgd_hyperparameters(
@@ -17,10 +18,10 @@ def _check_sgd_hyperparameters(
 ) -> None:
     """torch.optim.SGD's rules: momentum ≥ 0, weight_decay ≥ 0, nesterov needs momentum > 0 and
     no dampening."""
-    if momentum < 0:
-        raise ValueError(f"momentum={momentum!r} must be ≥ 0")
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay={weight_decay!r} must be ≥ 0")
+    check_number("momentum", momentum, 0)
+    check_number("dampening", dampening)
+    check_number("weight_decay", weight_decay, 0)
+    check_bools(nesterov=nesterov)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ValueError("nesterov=True needs momentum > 0 and dampening == 0")
 

@@ -22,6 +22,9 @@ def test_collectives(harness):
             "gather": comm.all_gather(v),
             "ring": comm.permute(v, ring),
             "chain": comm.permute(v, chain),
+            "ring_bf16": comm.permute(
+                {"f": v / 3, "i": v.astype(jnp.int32), "b": v > 2}, ring, dtype="bfloat16"
+            ),
             "bcast": comm.broadcast(v, n - 1),
             "any": comm.agree(v[0] > 3 * (n - 1) - 0.5, op="any"),
             "all": comm.agree(v[0] > 3 * (n - 1) - 0.5, op="all"),
@@ -35,6 +38,11 @@ def test_collectives(harness):
     np.testing.assert_allclose(out["pmean_bf16"], np.broadcast_to(x.mean(0), x.shape), rtol=1e-2)
     np.testing.assert_array_equal(out["gather"], np.broadcast_to(x, (n, n, 3)))
     np.testing.assert_array_equal(out["ring"], np.roll(x, 1, axis=0))
+    rounded = np.asarray(jnp.asarray(x / 3).astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(out["ring_bf16"]["f"], np.roll(rounded, 1, axis=0))  # back in float32
+    assert out["ring_bf16"]["f"].dtype == np.float32
+    np.testing.assert_array_equal(out["ring_bf16"]["i"], np.roll(x.astype(np.int32), 1, axis=0))
+    np.testing.assert_array_equal(out["ring_bf16"]["b"], np.roll(x > 2, 1, axis=0))
     np.testing.assert_array_equal(out["chain"][0], np.zeros(3))
     np.testing.assert_array_equal(out["chain"][1:], x[:-1])
     np.testing.assert_array_equal(out["bcast"], np.broadcast_to(x[-1], x.shape))

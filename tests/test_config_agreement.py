@@ -50,6 +50,13 @@ def test_same_configuration_same_description():
     assert agreement.differences([describe(make(), W), describe(make(), W)]) == []
 
 
+def test_unpassed_options_describe_as_their_defaults():
+    """streaming_diloco forwards outer_sync's options: leaving one out equals passing its default."""
+    a = od.streaming_diloco(optax.sgd(0.1), comm=COMM, period=4, num_fragments=1)
+    b = od.streaming_diloco(optax.sgd(0.1), comm=COMM, period=4, num_fragments=1, delay=0, blend=0.0)
+    assert agreement.differences([describe(a, W), describe(b, W)]) == []
+
+
 def _deep_composition(peak_lr):
     schedule = optax.warmup_cosine_decay_schedule(0.0, peak_lr, 10, 100)
     inner = optax.chain(optax.clip(1.0), optax.adamw(schedule))

@@ -428,3 +428,41 @@ def test_fingerprint_sees_any_single_change():
             bumped = ~flat[i] if leaf.dtype == jnp.bool_ else flat[i] + jnp.asarray(1, leaf.dtype)
             changed[key] = flat.at[i].set(bumped).reshape(leaf.shape)
             assert not np.array_equal(np.asarray(fingerprint(changed)), base), (key, i)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
+def test_bfloat16_parameters_get_float32_anchors(sharded):
+    """Outer steps smaller than half a bfloat16 ulp accumulate in float32 anchors (the default);
+    with anchor_dtype=None they are rounded away and the anchor never moves. Same bytes on the wire."""
+    comm = od.AxisComm("replica")
+
+    def run(**kw):
+        tx = od.diloco(
+            optax.sgd(0.01),
+            optax.sgd(0.02, momentum=0.5),
+            comm=comm,
+            period=4,
+            num_shards=2 if sharded else None,
+            **kw,
+        )
+
+        def train(p):
+            def body(carry, _):
+                p, s = carry
+                u, s = tx.update(jnp.ones_like(p), s, p)
+                return (optax.apply_updates(p, u), s), None
+
+            return jax.lax.scan(body, (p, tx.init(p)), None, length=40)[0]
+
+        return jax.jit(jax.vmap(train, axis_name="replica"))(jnp.ones((2, 3), jnp.bfloat16))
+
+    (p32, s32), (_, s16) = run(), run(anchor_dtype=None)
+    a32, a16 = s32.sync_state.anchors[0], s16.sync_state.anchors[0]
+    assert a32.dtype == jnp.float32 and a16.dtype == jnp.bfloat16
+    if sharded:  # each replica's block of the padded flat anchor: the 3 elements, then padding
+        a32, a16 = a32.reshape(-1)[:3], a16.reshape(-1)[:3]
+    assert jax.tree.leaves(s32.sync_state.outer_states)[-1].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(a16, np.float32), 1.0)  # every outer step rounded away
+    assert np.all(np.asarray(a32) < 0.995)  # ten outer steps of about 8e-4 each
+    assert p32.dtype == jnp.bfloat16 and float(p32[0, 0]) < 1.0
+    assert od.comm_stats(s32).by_kind == od.comm_stats(s16).by_kind

@@ -128,7 +128,7 @@ def test_mlbench_preset_raises_at_min_scale():
         jax.block_until_ready(update(update(s)))
 
 
-def test_pytorch_preset_defaults_and_clamp():
+def test_default_scale_is_pytorchs_and_clamps():
     tx = od.dynamic_loss_scale(optax.sgd(LR), min_scale=1.0, init_scale=2.0)
     assert float(od.dynamic_loss_scale(optax.sgd(LR)).init(jnp.zeros(1)).loss_scale) == 2.0**16
     p = jnp.zeros(2)

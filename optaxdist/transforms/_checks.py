@@ -67,23 +67,33 @@ def check_int(name: str, value: Any, low: int = 0, high: int | None = None) -> i
 def check_number(
     name: str,
     value: Any,
-    low: float = 0.0,
+    low: float = -math.inf,
     high: float = math.inf,
     *,
     open_low: bool = False,
-    open_high: bool = True,
+    open_high: bool = False,
 ) -> float:
-    """``value`` must be a real number (not a bool) in ``[low, high)`` (ends as ``open_*`` say)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (
-        ok and (low < value if open_low else low <= value) and (value < high if open_high else value <= high)
-    ):
-        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
-        raise ValueError(f"{name}={value!r} must be in {interval}")
-    return float(value)
+    """``value`` must be a real number (a Python or NumPy scalar, not a bool or a string) between
+    ``low`` and ``high``, each end included unless ``open_*`` says otherwise."""
+    try:
+        number = float(value) if not isinstance(value, (bool, str, bytes)) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    above = low < number if open_low else low <= number
+    below = number < high if open_high else number <= high
+    if not (above and below):
+        if math.isinf(high) and not open_high:
+            allowed = f"{'>' if open_low else '≥'} {low}"
+        elif math.isinf(high):
+            allowed = f"{'>' if open_low else '≥'} {low} and finite"
+        else:
+            allowed = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        raise ValueError(f"{name}={value!r} must be {allowed}")
+    return number
 
 
 def check_bools(**flags: Any) -> None:
+    """Every flag must be a bool."""
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise ValueError(f"{name}={flag!r} must be a bool")

@@ -396,7 +396,7 @@ def daso(
             "local_skip = batches_to_wait = 0 after a reset (every sync blocking); use "
             "max_global_skips ≥ local_skip_factor"
         )
-    check_number("stability_level", stability_level, 0, 1)
+    check_number("stability_level", stability_level, 0, 1, open_high=True)
     low = canonical_comm_dtype(downcast, name="downcast")
     check_nonfinite(nonfinite)
     quirks = HeatQuirks() if heat_quirks is None else heat_quirks

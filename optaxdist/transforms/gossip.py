@@ -22,9 +22,9 @@ import optax
 
 from optaxdist.accounting import CommLedger, Kind, payload_bytes
 from optaxdist.agreement import configured
-from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
 from optaxdist.topology import Topology
-from optaxdist.transforms._checks import check_comm, check_int
+from optaxdist.transforms._checks import check_bools, check_comm, check_int
 from optaxdist.transforms.periodic import SyncInput, periodic
 
 PERMUTE_KIND = Kind("permute", "params")
@@ -157,6 +157,7 @@ def decentralized_sgd(
     """
     _check(comm, topology, average_period)
     wire = canonical_comm_dtype(dtype)
+    check_bools(metropolis=metropolis)
     topo = topology.metropolis() if metropolis else topology
     if not topo.is_row_stochastic():
         raise ValueError(
@@ -264,6 +265,7 @@ def sgp(
       ICML 2019. fairscale ``SlowMoDistributedDataParallel`` (SGP, PushSum, PushPull).
     """
     _check(comm, topology, average_period)
+    check_bools(overlap=overlap)
     if not topology.is_column_stochastic():
         raise ValueError(f"topology {topology.name!r} is not column-stochastic: push-sum needs it")
     wire = canonical_comm_dtype(dtype) or jnp.dtype(jnp.float32)
@@ -330,6 +332,9 @@ def sgp(
         if overlap:
             late_x, late_w = state.in_flight
             num, w = [n + lx for n, lx in zip(num, late_x)], w + late_w
+        if divides_first(jnp.float32, wire):  # a 16-bit sum of W numerators could overflow: sum x/W
+            share = jnp.asarray(comm.size, jnp.float32)
+            num, w = [n / share for n in num], w / share
         *sums, total_w = comm.psum(num, dtype=wire) + [comm.psum(w)]
         in_flight = jax.tree.map(jnp.zeros_like, state.in_flight)
         z = jax.tree.unflatten(treedef, [v / total_w for v in sums])

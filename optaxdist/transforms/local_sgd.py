@@ -188,9 +188,14 @@ def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTr
     References:
       mlbench ``GenericCentralizedOptimizer(agg_grad=False)``.
     """
-    return local_sgd(
-        optax.identity(), comm=comm, period=1, dtype=dtype, check_start=False, nonfinite="ignore"
-    )
+    tx = local_sgd(optax.identity(), comm=comm, period=1, dtype=dtype, check_start=False, nonfinite="ignore")
+
+    def update_fn(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("average_params needs params: call update(updates, state, params)")
+        return tx.update(updates, state, params, **extra)
+
+    return tx._replace(update=update_fn)
 
 
 def sync_model_state(

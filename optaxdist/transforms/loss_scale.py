@@ -17,7 +17,14 @@ import optax
 from optaxdist.accounting import CommLedger, Kind, keep_ledgers
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
-from optaxdist.transforms._checks import all_finite, check_comm, check_int, check_number, find_states
+from optaxdist.transforms._checks import (
+    all_finite,
+    check_bools,
+    check_comm,
+    check_int,
+    check_number,
+    find_states,
+)
 
 AGREE_KIND = Kind("all_reduce", "int32", label="agree")
 _F32_TINY = float(np.finfo(np.float32).tiny)
@@ -110,6 +117,7 @@ def dynamic_loss_scale(
     check_number("min_scale", min_scale, 0, open_low=True)
     if max_scale is not None:
         check_number("max_scale", max_scale, init_scale)
+    check_bools(raise_at_min_scale=raise_at_min_scale)
     if comm is not None:
         check_comm("comm", comm)
     inner = optax.with_extra_args_support(inner)

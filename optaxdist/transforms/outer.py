@@ -11,6 +11,7 @@ periodic engine (``optaxdist.transforms.periodic``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, NamedTuple
 
@@ -110,6 +111,7 @@ def outer_sync(
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
     dtype: Any = None,
+    anchor_dtype: Any = "float32",
     anchor_after_first_step: bool = False,
     warmup_steps: int = 0,
     check_start: bool = True,
@@ -159,6 +161,11 @@ def outer_sync(
         element-wise outer optimizers (SGD, Nesterov, Adam), ``1/W`` of the outer memory.
         Incompatible with a custom ``reducer`` and with ``dtype``.
       dtype: wire dtype of the default mean (None: the parameters' dtype).
+      anchor_dtype: the least dtype of the anchors ``x₀``, hence of the outer optimizer's state
+        and of the pseudo-gradients: ``"float32"`` (default) keeps them in float32 for bfloat16 /
+        float16 parameters, so outer steps smaller than a 16-bit ulp accumulate (4 bytes per
+        parameter each for ``x₀`` and every outer moment, where the parameters take 2); None: the
+        parameters' dtype. The wire keeps ``dtype`` (the parameters' by default).
       anchor_after_first_step: take ``x₀`` *after* the first local step (fairscale's behaviour:
         the first sync then covers ``period − 1`` steps) as the replicas' mean (one extra
         all-reduce, ledger ``anchor_average[...]``), instead of the parameters before it.
@@ -180,8 +187,12 @@ def outer_sync(
     if check_int("num_fragments", num_fragments, 1) and period % num_fragments:
         raise ValueError(f"num_fragments={num_fragments!r} must divide period={period}")
     stride = period // num_fragments
-    check_int("delay", delay, 0, stride)
-    check_number("blend", blend, 0, 1)
+    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < stride:
+        raise ValueError(f"delay={delay!r} must be an int in [0, period / num_fragments = {stride})")
+    check_number("blend", blend, 0, 1, open_high=True)
+    anchor_floor = None if anchor_dtype is None else jnp.dtype(anchor_dtype)
+    if anchor_floor is not None and not jnp.issubdtype(anchor_floor, jnp.floating):
+        raise ValueError(f"anchor_dtype={anchor_dtype!r} must be None or a floating-point dtype")
     outer = outer if outer is not None else diloco_outer_optimizer()
     wire = canonical_comm_dtype(dtype)
     outer = optax.with_extra_args_support(outer)
@@ -200,6 +211,14 @@ def outer_sync(
 
     def flat_dtype(leaves):
         return jnp.result_type(*leaves)
+
+    def anchor_type(dtype) -> jnp.dtype:
+        """The anchors' dtype for parameters of ``dtype``: at least ``anchor_dtype``."""
+        dtype = jnp.dtype(dtype)
+        return dtype if anchor_floor is None or dtype.itemsize >= anchor_floor.itemsize else anchor_floor
+
+    def widen(tree):
+        return jax.tree.map(lambda x: jnp.asarray(x).astype(anchor_type(x.dtype)), tree)
 
     def kinds(params, inner_state) -> dict[Kind, int]:
         del inner_state
@@ -244,9 +263,9 @@ def outer_sync(
             mine = fragment(params, part)
             if sharded:  # filled from the parameters on the first step, where comm.index() is known
                 leaves = jax.tree.leaves(mine)
-                anchors.append(jnp.zeros((block_size(leaves),), flat_dtype(leaves)))
+                anchors.append(jnp.zeros((block_size(leaves),), anchor_type(flat_dtype(leaves))))
             else:  # copies, not aliases: callers may donate params and state to the same jitted step
-                anchors.append(jax.tree.map(lambda x: jnp.array(x, copy=True), mine))
+                anchors.append(jax.tree.map(lambda x: jnp.array(x, anchor_type(x.dtype), copy=True), mine))
         return OuterState(
             layout=layout,
             anchors=tuple(anchors),
@@ -258,7 +277,7 @@ def outer_sync(
         if comm.size != num_shards:
             raise ValueError(f"num_shards={num_shards} must equal the group size {comm.size}")
         block = block_size(leaves)
-        flat = ravel_pytree(leaves)[0].astype(flat_dtype(leaves))
+        flat = ravel_pytree(leaves)[0].astype(anchor_type(flat_dtype(leaves)))
         padded = jnp.pad(flat, (0, block * num_shards - flat.shape[0]))
         return jax.lax.dynamic_slice(padded, (comm.index() * block,), (block,))
 
@@ -272,7 +291,7 @@ def outer_sync(
         anchors = []
         for part in checked_layout(x).fragments:
             mine = fragment(values, part)
-            anchors.append(my_block(jax.tree.leaves(mine)) if sharded else mine)
+            anchors.append(my_block(jax.tree.leaves(mine)) if sharded else widen(mine))
         return x._replace(sync_state=x.sync_state._replace(anchors=tuple(anchors)))
 
     def sync(f: int):
@@ -282,15 +301,21 @@ def outer_sync(
             local = fragment(x.local, layout.fragments[f])
             anchor, ledger = state.anchors[f], x.ledger
             reducer_states = list(state.reducer_states)
-            if sharded:
-                flat = ravel_pytree(local)[0].astype(anchor.dtype)
+            if sharded:  # the wire carries the parameters' dtype, the sum lands in the anchor's
+                on_wire = flat_dtype(jax.tree.leaves(local))
+                flat = ravel_pytree(local)[0].astype(on_wire)
                 padded = jnp.pad(flat, (0, anchor.shape[0] * num_shards - flat.shape[0]))
-                delta = anchor - comm.psum_scatter(padded) / jnp.asarray(num_shards, padded.dtype)
-                ledger = ledger.record(_sharded_kind("reduce_scatter", layout.fragments, f, anchor.dtype))
+                total = comm.psum_scatter(padded).astype(anchor.dtype)
+                delta = anchor - total / jnp.asarray(num_shards, anchor.dtype)
+                ledger = ledger.record(_sharded_kind("reduce_scatter", layout.fragments, f, on_wire))
             else:
-                pseudo = jax.tree.map(lambda a, v: a - v, anchor, local)
-                if reducer is None:
-                    delta = comm.pmean(pseudo, dtype=wire)
+                pseudo = jax.tree.map(lambda a, v: a - v.astype(a.dtype), anchor, local)
+                if reducer is None:  # on the wire in `dtype`, else in the parameters' own dtype
+                    delta = jax.tree.map(
+                        lambda d, v: comm.pmean(d, dtype=wire or (None if d.dtype == v.dtype else v.dtype)),
+                        pseudo,
+                        local,
+                    )
                     ledger = ledger.record(Kind("all_reduce", _label(layout.fragments, f, local, wire)))
                 else:
                     delta, reducer_states[f] = reducer.update(pseudo, reducer_states[f], anchor)
@@ -317,13 +342,15 @@ def outer_sync(
             values, treedef = jax.tree.flatten(x.local)
             anchor, ledger = jax.tree.leaves(state.anchors[f]), x.ledger
             if sharded:
-                block = state.anchors[f]
                 mine = [values[i] for i in part]
+                on_wire = flat_dtype(mine)
                 unravel = ravel_pytree(mine)[1]
-                anchor = unravel(comm.all_gather(block).reshape(-1)[: sum(v.size for v in mine)])
-                ledger = ledger.record(_sharded_kind("all_gather", state.layout.fragments, f, block.dtype))
+                gathered = comm.all_gather(state.anchors[f].astype(on_wire)).reshape(-1)
+                anchor = unravel(gathered[: sum(v.size for v in mine)])
+                ledger = ledger.record(_sharded_kind("all_gather", state.layout.fragments, f, on_wire))
             for i, a in zip(part, anchor):
-                values[i] = a if blend == 0 else (blend * values[i] + (1 - blend) * a).astype(values[i].dtype)
+                mixed = blend * values[i].astype(a.dtype) + (1 - blend) * a
+                values[i] = a if blend == 0 else mixed.astype(values[i].dtype)
             return x._replace(local=jax.tree.unflatten(treedef, values), ledger=ledger)
 
         return branch
@@ -371,6 +398,7 @@ def diloco(
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
     dtype: Any = None,
+    anchor_dtype: Any = "float32",
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
@@ -399,7 +427,8 @@ def diloco(
         momentum 0.9).
       comm: all replicas.
       period: H, local steps between syncs (DiLoCo: 500).
-      reducer, num_shards, dtype, warmup_steps, check_start, nonfinite: see ``outer_sync``.
+      reducer, num_shards, dtype, anchor_dtype, warmup_steps, check_start, nonfinite: see
+        ``outer_sync`` (16-bit parameters get float32 anchors and outer momentum by default).
 
     Example:
       >>> tx = diloco(optax.adamw(4e-4), comm=comm, period=500)
@@ -416,6 +445,7 @@ def diloco(
         reducer=reducer,
         num_shards=num_shards,
         dtype=dtype,
+        anchor_dtype=anchor_dtype,
         warmup_steps=warmup_steps,
         check_start=check_start,
         nonfinite=nonfinite,
@@ -462,6 +492,7 @@ def slowmo(
     slow_lr: float = 1.0,
     anchor_after_first_step: bool = False,
     num_shards: int | None = None,
+    anchor_dtype: Any = "float32",
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
@@ -494,15 +525,17 @@ def slowmo(
         own). Default: the parameters before training.
       num_shards: shard ``x₀`` and ``u`` over the ``num_shards = comm.size`` replicas (fairscale's
         ``memory_efficient``; static). None: every replica holds them whole.
+      anchor_dtype: the least dtype of ``x₀`` and ``u`` (float32: 16-bit parameters keep them in
+        float32; None: the parameters' dtype).
       warmup_steps, check_start, nonfinite: the engine's options (``outer_sync``).
 
     References:
       Wang, Tantia, Ballas, Rabbat, "SlowMo: Improving Communication-Efficient Distributed SGD with
       Slow Momentum", ICLR 2020. fairscale ``SlowMoDistributedDataParallel``.
     """
-    check_number("momentum", momentum, 0, 1)
-    if not callable(learning_rate) and not learning_rate > 0:
-        raise ValueError(f"learning_rate={learning_rate!r} must be > 0 (SlowMo divides by it) or a schedule")
+    check_number("momentum", momentum, 0, 1, open_high=True)
+    if not callable(learning_rate):  # SlowMo divides by it
+        check_number("learning_rate", learning_rate, 0, open_low=True, open_high=True)
     check_number("slow_lr", slow_lr, 0, open_low=True)
     return outer_sync(
         inner,
@@ -510,6 +543,7 @@ def slowmo(
         comm=comm,
         period=period,
         num_shards=num_shards,
+        anchor_dtype=anchor_dtype,
         anchor_after_first_step=anchor_after_first_step,
         warmup_steps=warmup_steps,
         check_start=check_start,
@@ -517,7 +551,6 @@ def slowmo(
     )
 
 
-@configured("streaming_diloco")
 def streaming_diloco(
     inner: optax.GradientTransformation,
     outer: optax.GradientTransformation | None = None,
@@ -540,3 +573,14 @@ def streaming_diloco(
       Free Lunch", arXiv:2501.18512.
     """
     return outer_sync(inner, outer, num_fragments=num_fragments, **options)
+
+
+# The signature is outer_sync's with num_fragments required: help() shows every option, and the
+# configuration agreement sees unpassed options at their defaults, as for every other transform.
+streaming_diloco.__signature__ = inspect.signature(outer_sync).replace(
+    parameters=[
+        p.replace(default=inspect.Parameter.empty) if p.name == "num_fragments" else p
+        for p in inspect.signature(outer_sync).parameters.values()
+    ]
+)
+streaming_diloco = configured("streaming_diloco")(streaming_diloco)
