@@ -263,6 +263,31 @@ def test_cli_rejects_bad_schedule_and_outer_settings(capsys):
     assert "outer_lr=0.0 must be > 0" in capsys.readouterr().err
 
 
+def test_bfloat16_parameters_halve_the_bytes_of_a_parameter_dtype_wire(tmp_path, capsys):
+    """--param-dtype bfloat16: parameters and gradients in bfloat16; param-avg's wire is the
+    parameters' dtype, so it sends half the float32 reference's bytes; outputs get a suffix."""
+    argv = ["bench", "--algorithms", "param-avg", "--steps", "2", "--log-every", "2", "--hidden", "8"]
+    argv += [
+        "--replicas",
+        str(REPLICAS),
+        "--param-dtype",
+        "bfloat16",
+        "--out",
+        str(tmp_path),
+        "--no-plots",
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    with open(tmp_path / "bench_digits_iid_bfloat16.json") as f:
+        rec = json.load(f)
+    assert rec["model"]["param_dtype"] == "bfloat16"
+    assert rec["results"][0]["bytes_per_replica"] == 2 * rec["model"]["param_bytes_fp32"] // 2
+    assert rec["results"][0]["reduction_vs_fp32"] == 2.0
+    with pytest.raises(SystemExit):
+        main(["bench", "--param-dtype", "float16", "--quiet", "--out", ""])
+    assert "--param-dtype: invalid choice: 'float16'" in capsys.readouterr().err
+
+
 def test_learning_rate_schedule():
     from optaxdist.bench.algorithms import learning_rate_schedule
 

@@ -93,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
         "1 = all on one node, modelled with nvlink)",
     )
     b.add_argument("--log-every", type=int, default=25, help="record the loss curve every k steps")
+    b.add_argument(
+        "--param-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the model's parameters (and gradients); outputs get a _bfloat16 suffix",
+    )
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", default="bench_results", help="directory for JSON and PNG output")
     b.add_argument("--no-plots", action="store_true")
@@ -335,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             hidden=parse_hidden(args.hidden),
+            param_dtype=args.param_dtype,
             algorithms=expand_names(args.algorithms),
             network=args.network,
             nodes=args.nodes,

@@ -1,4 +1,4 @@
-"""The model trained by the benchmark: a small Flax (linen) MLP classifier."""
+"""The model trained by the benchmark: a small Flax (linen) MLP classifier, and its loss."""
 
 from __future__ import annotations
 
@@ -23,16 +23,22 @@ class MLP(nn.Module):
         return nn.Dense(self.num_classes)(x)
 
 
+def logits_of(model: nn.Module, params, x: jax.Array) -> jax.Array:
+    """float32 logits; floating-point inputs are cast to the parameters' dtype first, so bfloat16
+    parameters compute in bfloat16 (the loss is taken in float32, as in mixed-precision training)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(jax.tree.leaves(params)[0].dtype)
+    return model.apply({"params": params}, x).astype(jnp.float32)
+
+
 def cross_entropy(model: nn.Module, params, x: jax.Array, y: jax.Array) -> jax.Array:
     """Mean softmax cross-entropy of ``model`` on the batch ``(x, y)``."""
-    logits = model.apply({"params": params}, x)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return optax.softmax_cross_entropy_with_integer_labels(logits_of(model, params, x), y).mean()
 
 
 def accuracy(model: nn.Module, params, x: jax.Array, y: jax.Array) -> jax.Array:
     """Fraction of ``x`` classified as ``y``."""
-    logits = model.apply({"params": params}, x)
-    return jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32))
+    return jnp.mean((jnp.argmax(logits_of(model, params, x), -1) == y).astype(jnp.float32))
 
 
 def init_params(model: nn.Module, num_features: int, seed: int = 0):

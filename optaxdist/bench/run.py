@@ -41,6 +41,7 @@ from optaxdist.bench.data import Dataset, load_dataset, make_shards
 from optaxdist.bench.models import MLP, accuracy, cross_entropy
 
 FP32_REFERENCE = "allreduce-fp32"
+PARAM_DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,7 @@ class BenchConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     hidden: tuple[int, ...] = (128, 128)
+    param_dtype: str = "float32"
     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
     network: str = "10GbE"
     nodes: int | None = None
@@ -78,6 +80,8 @@ class BenchConfig:
             raise ValueError(f"nodes={nodes} must be between 1 and replicas={self.replicas}")
         if self.replicas % nodes:
             raise ValueError(f"nodes={nodes} must divide replicas={self.replicas}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"param_dtype={self.param_dtype!r}; allowed: {PARAM_DTYPES}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r}; allowed: {OPTIMIZERS}")
         learning_rate_schedule(self.lr, self.schedule, self.steps)  # raises on an unknown schedule
@@ -96,7 +100,8 @@ class BenchConfig:
     @property
     def tag(self) -> str:
         """File name stem of this run's outputs."""
-        return f"bench_{self.dataset}_{self.shards}"
+        suffix = "" if self.param_dtype == "float32" else f"_{self.param_dtype}"
+        return f"bench_{self.dataset}_{self.shards}{suffix}"
 
 
 def _log(msg: str, enabled: bool = True) -> None:
@@ -259,12 +264,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     data = load_dataset(cfg.dataset, seed=cfg.seed)  # type: ignore[arg-type]
     model = make_model(cfg, data)
     params0 = model.init(jax.random.key(cfg.seed), jnp.asarray(data.x_train[:1]))["params"]
+    params0 = jax.tree.map(lambda x: x.astype(cfg.param_dtype), params0)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params0))
     link = cost.link_for(cfg.network, cfg.num_nodes)
     _log(
         f"optaxdist bench: {cfg.dataset} ({len(data.y_train)} train / {len(data.y_test)} test), "
         f"{type(model).__name__} ({n_params} params), {cfg.replicas} replicas, {cfg.shards} "
-        f"shards, batch {cfg.batch_size}/replica, {cfg.steps} steps",
+        f"shards, batch {cfg.batch_size}/replica, {cfg.steps} steps, {cfg.param_dtype} parameters",
         cfg.progress,
     )
     results = []
@@ -286,6 +292,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             "hidden": list(cfg.hidden),
             "parameters": n_params,
             "param_bytes_fp32": payload_bytes(params0, jnp.float32),
+            "param_dtype": cfg.param_dtype,
         },
         "cost_model": {
             "network": link.name,
