@@ -521,9 +521,13 @@ def daso(
                     if wire is None
                     else jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), local)
                 )
-                summed = cross_comm.psum(packed, dtype=wire)  # a group of one: rounded to the wire
                 if N > 1:
+                    summed = cross_comm.psum(packed, dtype=wire)
                     led = led.record(kind_name("all_reduce", params, wire, scope="cross"))
+                else:  # a group of one sends nothing: the "sum" is the value rounded to the wire
+                    summed = jax.tree.map(
+                        lambda x: x if wire is None else x.astype(wire).astype(x.dtype), packed
+                    )
                 return jax.tree.map(lambda x: x.astype(_storage_dtype(x.dtype)), summed), led
 
             return branch

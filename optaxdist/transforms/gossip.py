@@ -332,10 +332,9 @@ def sgp(
         if overlap:
             late_x, late_w = state.in_flight
             num, w = [n + lx for n, lx in zip(num, late_x)], w + late_w
-        if divides_first(jnp.float32, wire):  # a 16-bit sum of W numerators could overflow: sum x/W
-            share = jnp.asarray(comm.size, jnp.float32)
-            num, w = [n / share for n in num], w / share
-        *sums, total_w = comm.psum(num, dtype=wire) + [comm.psum(w)]
+        # a 16-bit sum of W numerators could overflow: pmean divides first (Σx/Σw is the same)
+        reduce = comm.pmean if divides_first(jnp.float32, wire) else comm.psum
+        *sums, total_w = reduce(num, dtype=wire) + [reduce(w)]
         in_flight = jax.tree.map(jnp.zeros_like, state.in_flight)
         z = jax.tree.unflatten(treedef, [v / total_w for v in sums])
         state = PushSumState(jnp.ones((), jnp.float32), in_flight)
