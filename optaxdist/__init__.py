@@ -36,6 +36,7 @@ from optaxdist.parallel import (
 )
 from optaxdist.partition import balanced_fragments, singa_partitions
 from optaxdist.topology import Topology
+from optaxdist.transforms.agreed import apply_updates, sync_params
 from optaxdist.transforms.allreduce import AllReduceState, allreduce
 from optaxdist.transforms.averaged_iterate import (
     AveragedIterateState,
@@ -82,6 +83,7 @@ __version__ = "0.1.0"
 __all__ = [
     "allreduce",
     "AllReduceState",
+    "apply_updates",
     "assert_replicas_identical",
     "average_params",
     "averaged_iterate",
@@ -155,6 +157,7 @@ __all__ = [
     "SoloComm",
     "streaming_diloco",
     "sync_model_state",
+    "sync_params",
     "Topology",
     "topology",
 ]

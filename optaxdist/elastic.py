@@ -72,7 +72,7 @@ from optaxdist.transforms.daso import DasoEvents, DasoState
 from optaxdist.transforms.gossip import Gossip, PushSumState
 from optaxdist.transforms.loss_scale import DynamicLossScaleState
 from optaxdist.transforms.outer import OuterLayout, OuterState, SlowMoOuterState, sharded_payloads
-from optaxdist.transforms.periodic import PeriodicState
+from optaxdist.transforms.periodic import AgreedParams, PeriodicState
 from optaxdist.transforms.powersgd import PowerSgdState
 
 PyTree = Any
@@ -98,7 +98,9 @@ RULES: dict[type, dict[str, str | None]] = {
         "inner_state": AVERAGE,
         "sync_state": INHERIT,
         "ledger": LEDGER,
+        "agreed": INHERIT,
     },
+    AgreedParams: {"fresh": REPLICATED, "values": AVERAGE},
     OuterState: {
         "layout": INHERIT,
         "anchors": REPLICATED,
@@ -114,13 +116,22 @@ RULES: dict[type, dict[str, str | None]] = {
         **{
             name: REPLICATED
             for name in DasoState._fields
-            if name not in ("pending_sum", "epoch_loss_sum", "epoch_loss_count", "inner_state", "daso_ledger")
+            if name
+            not in (
+                "pending_sum",
+                "epoch_loss_sum",
+                "epoch_loss_count",
+                "inner_state",
+                "daso_ledger",
+                "agreed",
+            )
         },
         "pending_sum": "zero",  # only read while pending_valid, which a resize requires False
         "epoch_loss_sum": SUM,
         "epoch_loss_count": SUM,
         "inner_state": AVERAGE,
         "daso_ledger": LEDGER,
+        "agreed": INHERIT,
     },
     DasoEvents: dict.fromkeys(DasoEvents._fields, REPLICATED),
     DynamicLossScaleState: {
@@ -344,6 +355,7 @@ class _Resizer:
                 OuterLayout(fragments, m), tuple(anchors), tuple(outer_states), outer.reducer_states
             ),
             ledger=_ledger(s.ledger, m, f"{path}.ledger", payloads),
+            agreed=self.walk(s.agreed, AVERAGE, f"{path}.agreed"),
         )
 
 

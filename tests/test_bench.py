@@ -384,12 +384,13 @@ def test_overhead_local_steps_rows(tmp_path, capsys):
         assert r["local_ratio"] == r["local_ms"] / r["plain_ms"] > 0
         assert r["sync_ratio"] == r["sync_ms"] / r["hand_sync_ms"] > 0
         assert r["compile_s"] > 0
-    # momentum SGD keeps one trace; DiLoCo adds the anchor and the outer Nesterov momentum
-    assert rows["local_sgd"]["buffer_bytes_per_param_byte"] == 1.0
+    # momentum SGD keeps one trace; local SGD and gossip add the exact_sync copy of the parameters;
+    # DiLoCo adds the anchor (which is also what exact_sync reads) and the outer Nesterov momentum
+    assert rows["local_sgd"]["buffer_bytes_per_param_byte"] == 2.0
     assert rows["diloco"]["buffer_bytes_per_param_byte"] == 3.0
     table = {r["transform"]: r for r in section["state_bytes"]}
-    expected = {"local_sgd": 1.0, "diloco": 3.0, "slowmo": 3.0, "streaming_diloco": 3.0}
-    expected |= {"decentralized_sgd": 1.0, "sgp": 1.0, "allreduce": 1.0, "topk_1pct_ef": 2.0}
+    expected = {"local_sgd": 2.0, "diloco": 3.0, "slowmo": 3.0, "streaming_diloco": 3.0}
+    expected |= {"decentralized_sgd": 2.0, "sgp": 2.0, "allreduce": 1.0, "topk_1pct_ef": 2.0}
     for name, buffers in expected.items():
         assert table[name]["buffer_bytes_per_param_byte"] == buffers, name
         assert table[name]["state_bytes"] == buffers * param_bytes + table[name]["fixed_state_bytes"]

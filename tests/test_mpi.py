@@ -20,6 +20,7 @@ HARNESS_TEST_FILES = [
     "tests/test_partial.py",
     "tests/test_gossip.py",
     "tests/test_daso.py",
+    "tests/test_exact_sync.py",
 ]
 
 
@@ -42,6 +43,7 @@ GROUP_FILES = [
     "tests/test_partial.py",
     "tests/test_gossip.py",
     "tests/test_daso.py",
+    "tests/test_exact_sync.py",
 ]
 SIZE_AGNOSTIC_FILES = [f for f in HARNESS_TEST_FILES if f not in GROUP_FILES]
 
@@ -54,7 +56,7 @@ SIZE_AGNOSTIC_FILES = [f for f in HARNESS_TEST_FILES if f not in GROUP_FILES]
         pytest.param(4, GROUP_FILES, id="4", marks=pytest.mark.slow),
     ],
 )
-def test_harness_tests_under_mpirun(nproc, files, tmp_path):
+def test_harness_tests_under_mpirun(nproc, files, tmp_path, request):
     env = dict(
         os.environ,
         OPTAXDIST_MPI="1",
@@ -74,6 +76,8 @@ def test_harness_tests_under_mpirun(nproc, files, tmp_path):
         "-x",
         "-p",
         "no:cacheprovider",
+        # the default run keeps the default selection under mpirun too; the full run runs all
+        *(["-m", "not slow"] if request.node.get_closest_marker("slow") is None else []),
         *files,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -142,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
         "--variants",
         default="default",
         help="local-steps rows: comma list of default, no-start-check (check_start=False), "
-        "nonfinite-ignore (nonfinite='ignore'), bare (both): the transforms' options",
+        "nonfinite-ignore (nonfinite='ignore'), no-exact-sync (exact_sync=False), bare (all three "
+        "off): the transforms' options",
     )
     o.add_argument(
         "--local-params",

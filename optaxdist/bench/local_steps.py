@@ -2,9 +2,11 @@
 
 Part of ``optaxdist bench --suite overhead`` (``--rows local-steps``). No model: every replica
 holds precomputed random gradients for a flat params pytree of four square float32 matrices, and
-one step is ``tx.update`` + ``optax.apply_updates``. The inner optimizer is always
+one step is ``tx.update`` + ``optaxdist.apply_updates`` (``optax.apply_updates``, then the
+``exact_sync`` replacement on synchronizing steps). The inner optimizer is always
 ``optax.sgd(0.01, momentum=0.9)``; every transform runs with its defaults (``check_start=True``,
-non-finite updates skipped; ``VARIANTS`` turns either off, to attribute the cost) and a period of
+non-finite updates skipped, ``exact_sync=True``; ``VARIANTS`` turns each off, to attribute the
+cost) and a period of
 ``PERIOD`` steps (gossip: a global average every ``PERIOD`` steps on a ring; DASO: 4 or 8 replicas
 per node, a blocking global sync every ``PERIOD`` batches, timed with no node gradient average).
 
@@ -76,7 +78,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "no-start-check": {"check_start": False},
     "nonfinite-ignore": {"nonfinite": "ignore"},
-    "bare": {"check_start": False, "nonfinite": "ignore"},
+    "no-exact-sync": {"exact_sync": False},
+    "bare": {"check_start": False, "nonfinite": "ignore", "exact_sync": False},
 }
 FLAT = (optaxdist.REPLICA_AXIS,)
 NODE, LOCAL = "node", "local"
@@ -212,7 +215,7 @@ class Case:
     hand_local: Callable[[Params], Params] | None = None
     hierarchical: bool = False
     settings: str = ""
-    options: tuple[str, ...] = ("check_start", "nonfinite")  # the VARIANTS options it takes
+    options: tuple[str, ...] = ("check_start", "nonfinite", "exact_sync")  # the VARIANTS options it takes
 
     def variant_options(self, variant: str) -> dict[str, Any]:
         """The keyword arguments of ``variant`` that this transform accepts."""
@@ -305,7 +308,7 @@ def cases() -> dict[str, Case]:
             _daso_blocking_sync,
             hierarchical=True,
             settings=f"blocking global sync every {PERIOD} batches, no node gradient average",
-            options=("nonfinite",),  # daso has no start check
+            options=("nonfinite", "exact_sync"),  # daso has no start check
         ),
     ]
     return {c.name: c for c in out}
@@ -330,7 +333,7 @@ def state_only_transforms() -> dict[str, Callable[[], optax.GradientTransformati
 def _step(tx: optax.GradientTransformation) -> Step:
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        return optaxdist.apply_updates(params, updates, state), state  # optax's + sync_params
 
     return step
 

@@ -24,7 +24,15 @@ import optax
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_comm, check_int, check_nonfinite, check_number, local_step
+from optaxdist.transforms._checks import (
+    check_bools,
+    check_comm,
+    check_int,
+    check_nonfinite,
+    check_number,
+    local_step,
+)
+from optaxdist.transforms.periodic import AgreedParams, initial_agreed, record_agreed
 
 NO_GROUP = -1
 
@@ -115,6 +123,8 @@ class DasoState(NamedTuple):
       last_events: what the last update did (``DasoEvents``).
       inner_state: per replica: the local optimizer's state.
       daso_ledger: what was sent.
+      agreed: with ``exact_sync``, the parameters the last merge broadcast or blocking average
+        set (``AgreedParams``, read by ``optaxdist.sync_params``); ``()`` without.
     """
 
     batch_in_epoch: jax.Array
@@ -137,6 +147,11 @@ class DasoState(NamedTuple):
     last_events: DasoEvents
     inner_state: optax.OptState
     daso_ledger: CommLedger
+    agreed: AgreedParams | tuple[()] = ()
+
+    def agreed_params(self, like: Any) -> tuple[Any, Any] | None:
+        """``(fresh, values)`` for ``sync_params``, or None without ``exact_sync``."""
+        return (self.agreed.fresh, self.agreed.values) if isinstance(self.agreed, AgreedParams) else None
 
 
 class BatchPlan(NamedTuple):
@@ -283,6 +298,7 @@ def daso(
     first_cycle: tuple[int, int, int] | None = None,
     heat_quirks: HeatQuirks | None = None,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""DASO (Heat): node-local gradient averaging plus delayed, selective cross-node parameter merges.
 
@@ -354,6 +370,9 @@ def daso(
       nonfinite: a local step whose update is not finite is skipped (``"skip"``, the default: zero
         update, inner state kept; the local step follows the node's gradient average, so one bad
         gradient makes its node skip) or applied as it is (``"ignore"``, no cost).
+      exact_sync: keep a copy of the parameters each merge broadcast and blocking average sets
+        (``DasoState.agreed``), so that ``optaxdist.apply_updates`` leaves the replicas of a node
+        (after a blocking average: all replicas) holding exactly the same bits.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state ``DasoState``.
@@ -399,6 +418,7 @@ def daso(
     check_number("stability_level", stability_level, 0, 1, open_high=True)
     low = canonical_comm_dtype(downcast, name="downcast")
     check_nonfinite(nonfinite)
+    check_bools(exact_sync=exact_sync)
     quirks = HeatQuirks() if heat_quirks is None else heat_quirks
     if not isinstance(quirks, HeatQuirks):
         raise TypeError(f"heat_quirks must be None or a HeatQuirks, got {type(heat_quirks).__name__}")
@@ -465,6 +485,7 @@ def daso(
             last_events=DasoEvents(no, minus, zero, no, minus, zero, zero, minus, minus, no),
             inner_state=vary(inner.init(params)),
             daso_ledger=CommLedger.create(kinds(params)),
+            agreed=initial_agreed(params, vary) if exact_sync else (),
         )
 
     def update_fn(updates, state, params=None, *, value=None, **extra):
@@ -640,6 +661,10 @@ def daso(
             ended_epoch=last,
         )
         out = jax.tree.map(lambda t, p: (t - p).astype(p.dtype), target, params)
+        agreed = state.agreed
+        if exact_sync:  # a merge or blocking average broadcast within the node: the node agrees
+            fresh = jnp.asarray(plan.blocking | plan.merge | plan.broadcast_previous)
+            agreed = record_agreed(agreed, target, fresh, vary)
         i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
         return out, DasoState(
             batch_in_epoch=i32(jnp.where(last, 0, b + 1)),
@@ -664,6 +689,7 @@ def daso(
             last_events=events,
             inner_state=inner_state,
             daso_ledger=ledger,
+            agreed=agreed,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -25,7 +25,7 @@ from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
 from optaxdist.topology import Topology
 from optaxdist.transforms._checks import check_bools, check_comm, check_int
-from optaxdist.transforms.periodic import SyncInput, periodic
+from optaxdist.transforms.periodic import SyncInput, every_leaf, periodic
 
 PERMUTE_KIND = Kind("permute", "params")
 WEIGHT_KIND = Kind("permute", "ps_weight")
@@ -123,6 +123,7 @@ def decentralized_sgd(
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""D-PSGD: a local step, then averaging with the round's in-neighbours.
 
@@ -149,7 +150,7 @@ def decentralized_sgd(
       average_period: exact global averaging every K steps (None: never).
       dtype: wire dtype of the messages and of the global averages (None: the parameters' dtype;
         ``bfloat16`` halves the bytes, each received value rounded to it).
-      warmup_steps, check_start, nonfinite: the engine's options (``periodic``).
+      warmup_steps, check_start, nonfinite, exact_sync: the engine's options (``periodic``).
 
     References:
       Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS 2017.
@@ -190,7 +191,8 @@ def decentralized_sgd(
         return sync
 
     def average(x: SyncInput) -> SyncInput:
-        return x._replace(local=comm.pmean(x.local, dtype=wire), ledger=x.ledger.record(GLOBAL_KIND))
+        mean = comm.pmean(x.local, dtype=wire)
+        return x._replace(local=mean, ledger=x.ledger.record(GLOBAL_KIND), agreed=every_leaf(mean))
 
     return periodic(
         inner,
@@ -205,6 +207,7 @@ def decentralized_sgd(
         ledger_varies=True,
         check_start=check_start,
         nonfinite=nonfinite,
+        exact_sync=exact_sync,
     )
 
 
@@ -220,6 +223,7 @@ def sgp(
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Stochastic Gradient Push: push-sum gossip with de-biased parameters.
 
@@ -258,7 +262,7 @@ def sgp(
       dtype: wire dtype of the numerators (None: float32); the weights always travel in float32.
         A narrower wire rounds the mass a replica receives, so ``Σ x_i`` is conserved only to
         that rounding.
-      warmup_steps, check_start, nonfinite: the engine's options (``periodic``).
+      warmup_steps, check_start, nonfinite, exact_sync: the engine's options (``periodic``).
 
     References:
       Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep Learning",
@@ -338,7 +342,9 @@ def sgp(
         in_flight = jax.tree.map(jnp.zeros_like, state.in_flight)
         z = jax.tree.unflatten(treedef, [v / total_w for v in sums])
         state = PushSumState(jnp.ones((), jnp.float32), in_flight)
-        return x._replace(local=z, sync_state=state, ledger=x.ledger.record(GLOBAL_KIND))
+        return x._replace(
+            local=z, sync_state=state, ledger=x.ledger.record(GLOBAL_KIND), agreed=every_leaf(z)
+        )
 
     return periodic(
         inner,
@@ -353,6 +359,7 @@ def sgp(
         ledger_varies=True,
         check_start=check_start,
         nonfinite=nonfinite,
+        exact_sync=exact_sync,
     )
 
 

@@ -14,7 +14,7 @@ from optaxdist.accounting import Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import check_comm, check_int
-from optaxdist.transforms.periodic import Sync, SyncInput, periodic, periodic_states
+from optaxdist.transforms.periodic import Sync, SyncInput, every_leaf, periodic, periodic_states
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
 
@@ -58,6 +58,7 @@ def local_sgd(
     dtype: Any = None,
     check_start: bool = True,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Take local steps with ``inner``; every ``period`` steps replace the parameters by their mean.
 
@@ -95,9 +96,11 @@ def local_sgd(
       local_comm: the node-local group for hierarchical averaging (``Hierarchy.local``).
       local_period: steps between node-local averages; ``period`` must be a multiple of it.
       dtype: wire dtype of the averages (None: the parameters' dtype).
-      check_start, nonfinite: the engine's options (``periodic``): raise on the first step if the
-        replicas' parameters differ (make them identical with ``broadcast_from_root``); the local
-        step's non-finite policy.
+      check_start, nonfinite, exact_sync: the engine's options (``periodic``): raise on the first
+        step if the replicas' parameters differ (make them identical with
+        ``broadcast_from_root``); the local step's non-finite policy; keep a copy of the averaged
+        parameters so that ``optaxdist.apply_updates`` leaves the replicas bit-identical after
+        each average.
 
     Example:
       >>> tx = local_sgd(optax.sgd(0.1, momentum=0.9), comm=comm, period=8)
@@ -140,7 +143,12 @@ def local_sgd(
             if average_inner_state and _float_leaves(inner_state):
                 inner_state = _average_floats(inner_state, group, wire)
                 ledger = ledger.record(average_kind(_float_leaves(inner_state), "inner_state_average", scope))
-            return x._replace(local=group.pmean(x.local, dtype=wire), inner_state=inner_state, ledger=ledger)
+            return x._replace(
+                local=group.pmean(x.local, dtype=wire),
+                inner_state=inner_state,
+                ledger=ledger,
+                agreed=every_leaf(x.local),
+            )
 
         return sync
 
@@ -162,11 +170,14 @@ def local_sgd(
         dtype=dtype,
         check_start=check_start,
         nonfinite=nonfinite,
+        exact_sync=exact_sync,
     )
 
 
 @configured("average_params")
-def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTransformationExtraArgs:
+def average_params(
+    *, comm: Communicator, dtype: Any = None, exact_sync: bool = True
+) -> optax.GradientTransformationExtraArgs:
     r"""Average the parameters after every local step (mlbench ``agg_grad=False``).
 
     Place it *after* the local optimizer. With :math:`u_i` the local update of replica :math:`i`:
@@ -188,7 +199,15 @@ def average_params(*, comm: Communicator, dtype: Any = None) -> optax.GradientTr
     References:
       mlbench ``GenericCentralizedOptimizer(agg_grad=False)``.
     """
-    tx = local_sgd(optax.identity(), comm=comm, period=1, dtype=dtype, check_start=False, nonfinite="ignore")
+    tx = local_sgd(
+        optax.identity(),
+        comm=comm,
+        period=1,
+        dtype=dtype,
+        check_start=False,
+        nonfinite="ignore",
+        exact_sync=exact_sync,
+    )
 
     def update_fn(updates, state, params=None, **extra):
         if params is None:

@@ -68,6 +68,10 @@ class OuterState(NamedTuple):
                 leaves[i] = x
         return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
+    def agreed_params(self, like: Any) -> Any:
+        """The parameters a merge sets (``PeriodicState.agreed_params``): the anchors."""
+        return self.anchor_params(like)
+
 
 def _label(fragments: Partition, f: int, leaves, dtype: Any = None) -> str:
     """The part of fragment ``f``'s ledger kinds inside the brackets: ``fragment<f>:<dtype>`` (with
@@ -116,6 +120,7 @@ def outer_sync(
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps of ``inner``; every ``period`` steps an ``outer`` step per fragment on the
     replicas' averaged displacement. ``diloco``, ``slowmo`` and ``streaming_diloco`` are this one
@@ -169,9 +174,11 @@ def outer_sync(
       anchor_after_first_step: take ``x₀`` *after* the first local step (fairscale's behaviour:
         the first sync then covers ``period − 1`` steps) as the replicas' mean (one extra
         all-reduce, ledger ``anchor_average[...]``), instead of the parameters before it.
-      warmup_steps, check_start, nonfinite: the engine's options, see ``periodic`` (synchronous
-        steps before the local steps, after which the anchors are taken; the first step's check
-        that the replicas start identical; the local step's non-finite policy).
+      warmup_steps, check_start, nonfinite, exact_sync: the engine's options, see ``periodic``
+        (synchronous steps before the local steps, after which the anchors are taken; the first
+        step's check that the replicas start identical; the local step's non-finite policy;
+        bit-identical parameters after a merge with ``optaxdist.apply_updates``, at no memory
+        cost since the anchors are those parameters — a copy of them in the sharded mode).
 
     References:
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
@@ -351,7 +358,8 @@ def outer_sync(
             for i, a in zip(part, anchor):
                 mixed = blend * values[i].astype(a.dtype) + (1 - blend) * a
                 values[i] = a if blend == 0 else mixed.astype(values[i].dtype)
-            return x._replace(local=jax.tree.unflatten(treedef, values), ledger=ledger)
+            agreed = part if blend == 0 else ()  # a blend keeps part of each replica's own values
+            return x._replace(local=jax.tree.unflatten(treedef, values), ledger=ledger, agreed=agreed)
 
         return branch
 
@@ -378,6 +386,8 @@ def outer_sync(
         dtype=dtype,
         check_start=check_start,
         nonfinite=nonfinite,
+        exact_sync=exact_sync,
+        agreed_in_sync_state=not sharded,  # the anchors are the agreed parameters
     )
 
 
@@ -402,6 +412,7 @@ def diloco(
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""DiLoCo: ``period`` local steps of ``inner``, then an outer step on the averaged displacement.
 
@@ -427,7 +438,7 @@ def diloco(
         momentum 0.9).
       comm: all replicas.
       period: H, local steps between syncs (DiLoCo: 500).
-      reducer, num_shards, dtype, anchor_dtype, warmup_steps, check_start, nonfinite: see
+      reducer, num_shards, dtype, anchor_dtype, warmup_steps, check_start, nonfinite, exact_sync: see
         ``outer_sync`` (16-bit parameters get float32 anchors and outer momentum by default).
 
     Example:
@@ -449,6 +460,7 @@ def diloco(
         warmup_steps=warmup_steps,
         check_start=check_start,
         nonfinite=nonfinite,
+        exact_sync=exact_sync,
     )
 
 
@@ -496,6 +508,7 @@ def slowmo(
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""SlowMo (fairscale ``SlowMoDistributedDataParallel`` with LocalSGD base): local steps, and
     every ``period`` (τ) steps average the parameters and take a slow-momentum step.
@@ -527,7 +540,7 @@ def slowmo(
         ``memory_efficient``; static). None: every replica holds them whole.
       anchor_dtype: the least dtype of ``x₀`` and ``u`` (float32: 16-bit parameters keep them in
         float32; None: the parameters' dtype).
-      warmup_steps, check_start, nonfinite: the engine's options (``outer_sync``).
+      warmup_steps, check_start, nonfinite, exact_sync: the engine's options (``outer_sync``).
 
     References:
       Wang, Tantia, Ballas, Rabbat, "SlowMo: Improving Communication-Efficient Distributed SGD with
@@ -548,6 +561,7 @@ def slowmo(
         warmup_steps=warmup_steps,
         check_start=check_start,
         nonfinite=nonfinite,
+        exact_sync=exact_sync,
     )
 
 

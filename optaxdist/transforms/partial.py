@@ -27,6 +27,7 @@ def partial_average(
     warmup_steps: int = 0,
     check_start: bool = True,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps; after step :math:`t`, partition :math:`t \bmod K` is replaced by its mean.
 
@@ -48,7 +49,7 @@ def partial_average(
         function of the parameters returning one (default ``singa_partitions``, SINGA's packing
         by 2,097,152 elements in backward order).
       dtype: wire dtype of the averages (None: the parameters' dtype).
-      warmup_steps, check_start, nonfinite: the engine's options (``periodic``); the round-robin
+      warmup_steps, check_start, nonfinite, exact_sync: the engine's options (``periodic``); the round-robin
         starts with partition 0 after the warm-up.
 
     References:
@@ -76,7 +77,7 @@ def partial_average(
                 values[i] = a
             p_leaves = jax.tree.leaves(x.params)
             ledger = x.ledger.record(kind(k, [p_leaves[i] for i in part]))
-            return x._replace(local=jax.tree.unflatten(treedef, values), ledger=ledger)
+            return x._replace(local=jax.tree.unflatten(treedef, values), ledger=ledger, agreed=part)
 
         return sync
 
@@ -93,4 +94,5 @@ def partial_average(
         dtype=dtype,
         check_start=check_start,
         nonfinite=nonfinite,
+        exact_sync=exact_sync,
     )

@@ -32,6 +32,7 @@ import optax
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import (
+    check_bools,
     check_comm,
     check_nonfinite,
     check_warmup_steps,
@@ -39,6 +40,48 @@ from optaxdist.transforms._checks import (
     local_step,
 )
 from optaxdist.transforms._start import check_identical_start, start_kinds
+
+
+class AgreedParams(NamedTuple):
+    """The parameters the last update's synchronization set (``exact_sync``), kept so that
+    ``optaxdist.sync_params`` can give every replica exactly those bits: ``params + (target −
+    params)`` is not ``target`` in floating point once the replicas have drifted apart.
+
+    Attributes:
+      fresh: a tree of the parameters' structure: per leaf, whether the last update set it
+        (replicated bool).
+      values: what it was set to, in the parameters' dtypes (a tree of their structure); None
+        where the synchronizations' state keeps it (``sync_state.agreed_params(like)``: the
+        anchors of DiLoCo, SlowMo and Streaming DiLoCo).
+    """
+
+    fresh: Any
+    values: Any
+
+
+def initial_agreed(params: Any, vary: Callable[[Any], Any], *, keep_values: bool = True) -> AgreedParams:
+    """Nothing fresh yet; the values (copies of ``params`` marked per replica by ``vary``, or
+    None) only fill the buffer."""
+    values = vary(jax.tree.map(lambda p: jnp.array(p, copy=True), params)) if keep_values else None
+    return AgreedParams(jax.tree.map(lambda _: jnp.asarray(False), params), values)
+
+
+def record_agreed(agreed: AgreedParams, target: Any, fresh: Any, vary: Callable[[Any], Any]) -> AgreedParams:
+    """``agreed`` after an update that set ``target`` where ``fresh``: a tree of Python bools
+    (which leaves; static), or one replicated bool scalar for all of them (a ``lax.cond``).
+    ``vary`` marks the values per replica."""
+    if isinstance(fresh, jax.Array):
+        flags = jax.tree.map(lambda _: fresh, agreed.fresh)
+        if agreed.values is None:
+            return AgreedParams(flags, None)
+        cast = lambda t: jax.tree.map(lambda x, v: x.astype(v.dtype), t, agreed.values)  # noqa: E731
+        values = jax.lax.cond(fresh, lambda: vary(cast(target)), lambda: vary(agreed.values))
+        return AgreedParams(flags, values)
+    flags = jax.tree.map(jnp.asarray, fresh)
+    if agreed.values is None:
+        return AgreedParams(flags, None)
+    values = jax.tree.map(lambda f, t, v: t.astype(v.dtype) if f else v, fresh, target, agreed.values)
+    return AgreedParams(flags, vary(values))
 
 
 class PeriodicState(NamedTuple):
@@ -51,6 +94,8 @@ class PeriodicState(NamedTuple):
       inner_state: the local optimizer's state (per replica).
       sync_state: the synchronizations' own state (anchors, outer optimizer state, residuals).
       ledger: what was sent (replicated; per replica with ``ledger_varies``, e.g. gossip).
+      agreed: with ``exact_sync``, the parameters the last synchronization set
+        (``AgreedParams``, read by ``optaxdist.sync_params``); ``()`` without.
     """
 
     step: jax.Array
@@ -58,6 +103,17 @@ class PeriodicState(NamedTuple):
     inner_state: optax.OptState
     sync_state: Any
     ledger: CommLedger
+    agreed: AgreedParams | tuple[()] = ()
+
+    def agreed_params(self, like: Any) -> tuple[Any, Any] | None:
+        """``(fresh, values)`` for ``sync_params`` (trees of the structure of ``like``, the
+        parameters), or None without ``exact_sync``."""
+        if not isinstance(self.agreed, AgreedParams):
+            return None
+        values = self.agreed.values
+        if values is None:  # the synchronizations' state keeps them (DiLoCo's anchors)
+            values = jax.tree.map(lambda v, p: v.astype(p.dtype), self.sync_state.agreed_params(like), like)
+        return self.agreed.fresh, values
 
 
 class SyncInput(NamedTuple):
@@ -75,6 +131,9 @@ class SyncInput(NamedTuple):
       inner_state: the local optimizer's state after the local step.
       sync_state: the synchronizations' state.
       ledger: the ledger; record what is sent.
+      agreed: the indices of the leaves of ``local`` the synchronization set to a value every
+        replica of its group now holds (a mean, an outer step's anchor), for ``exact_sync``;
+        leaves mixed with per-replica values (gossip, a blended merge) are not agreed.
     """
 
     step: jax.Array
@@ -84,9 +143,15 @@ class SyncInput(NamedTuple):
     inner_state: Any
     sync_state: Any
     ledger: CommLedger
+    agreed: tuple[int, ...] = ()
 
 
 Sync = Callable[[SyncInput], SyncInput]
+
+
+def every_leaf(tree: Any) -> tuple[int, ...]:
+    """``SyncInput.agreed`` for a synchronization that agrees on all of ``tree``'s leaves."""
+    return tuple(range(len(jax.tree.leaves(tree))))
 
 
 def periodic(
@@ -104,6 +169,8 @@ def periodic(
     ledger_varies: bool = False,
     check_start: bool = True,
     nonfinite: str = "skip",
+    exact_sync: bool = True,
+    agreed_in_sync_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps of ``inner``; after the local step of update ``t``, synchronization
     ``syncs[k − 1]`` where ``k = schedule(t − warmup_steps, len(syncs)) ≥ 1``.
@@ -136,6 +203,13 @@ def periodic(
         replica's state); it costs one ``isfinite`` pass over the update and a select of the update
         and the inner state, fused into the step. ``"ignore"``: no check, no cost, for inner
         optimizers that guard themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``).
+      exact_sync: keep what each synchronization agreed on (``SyncInput.agreed``) in the state
+        (``PeriodicState.agreed``: one copy of the parameters, and a flag per leaf), so that
+        ``optaxdist.apply_updates`` / ``sync_params`` leave every replica holding exactly those
+        bits. False: no copy; ``optax.apply_updates`` leaves the replicas within a rounding of
+        each other.
+      agreed_in_sync_state: the synchronizations' state keeps the agreed values itself (its
+        ``agreed_params(like)``: DiLoCo's anchors), so ``exact_sync`` keeps only the flags.
 
     The schedule's synchronizations, the warm-up and the first step after it are branches of one
     ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
@@ -144,6 +218,7 @@ def periodic(
     check_warmup_steps(warmup_steps)
     check_comm("comm", comm)
     check_nonfinite(nonfinite)
+    check_bools(exact_sync=exact_sync, agreed_in_sync_state=agreed_in_sync_state)
     wire = canonical_comm_dtype(dtype)
     inner = optax.with_extra_args_support(inner)
 
@@ -152,6 +227,9 @@ def periodic(
         if warmup_steps:
             out[kind_name("all_reduce", params, wire)] = payload_bytes(params, wire)
         return out | start_kinds(check_start, params)
+
+    def vary(tree):
+        return per_replica(tree, comm)
 
     def init_fn(params):
         inner_state = per_replica(inner.init(params), comm)
@@ -162,6 +240,7 @@ def periodic(
             inner_state=inner_state,
             sync_state=per_replica(init_sync(params), comm),
             ledger=comm.varying(ledger) if ledger_varies else ledger,
+            agreed=initial_agreed(params, vary, keep_values=not agreed_in_sync_state) if exact_sync else (),
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -175,21 +254,27 @@ def periodic(
         def local(operand, then: Sync | None = None, *, moves_params: bool = True):
             """The local step, then ``then`` (a synchronization, or ``begin`` followed by one).
             Without one, or when it leaves the parameters alone, the update is the local step's."""
-            grads, inner_state, sync_state, ledger = operand
+            grads, inner_state, sync_state, ledger, agreed = operand
             u, inner_state = local_step(inner, grads, inner_state, params, nonfinite=nonfinite, **extra)
+            target, fresh = params, ()
             if then is not None:
                 local_params = optax.apply_updates(params, u)
                 x = then(SyncInput(t, params, u, local_params, inner_state, sync_state, ledger))
                 inner_state, sync_state, ledger = x.inner_state, x.sync_state, x.ledger
                 if moves_params:
                     u = jax.tree.map(lambda n, p: (n - p.astype(n.dtype)).astype(p.dtype), x.local, params)
-            return per_replica((u, inner_state, sync_state, ledger), comm)
+                    target, fresh = x.local, x.agreed
+            if exact_sync:  # the flags are replicated, the values per replica
+                leaves, treedef = jax.tree.flatten(params)
+                flags = jax.tree.unflatten(treedef, [i in fresh for i in range(len(leaves))])
+                agreed = record_agreed(agreed, target, flags, vary)
+            return (*per_replica((u, inner_state, sync_state, ledger), comm), agreed)
 
         def warm_up(operand):
-            grads, inner_state, sync_state, ledger = operand
+            grads, inner_state, sync_state, ledger, agreed = operand
             grads = comm.pmean(grads, dtype=wire)
             ledger = ledger.record(kind_name("all_reduce", params, wire))
-            return local((grads, inner_state, sync_state, ledger))
+            return local((grads, inner_state, sync_state, ledger, agreed))
 
         # one switch: [local step, syncs..., warm-up, begin then (nothing, syncs...)]
         scheduled = schedule(s, len(bodies))
@@ -203,8 +288,8 @@ def periodic(
             branches.append(lambda op: local(op, begin, moves_params=False))
             branches += [lambda op, f=f: local(op, lambda x: f(begin(x))) for f in bodies]
             index = jnp.where(t == warmup_steps, first + scheduled, index)
-        out, inner_state, sync_state, ledger = jax.lax.switch(
-            index, branches, (updates, state.inner_state, state.sync_state, ledger)
+        out, inner_state, sync_state, ledger, agreed = jax.lax.switch(
+            index, branches, (updates, state.inner_state, state.sync_state, ledger, state.agreed)
         )
         return out, PeriodicState(
             step=optax.safe_increment(t),
@@ -212,6 +297,7 @@ def periodic(
             inner_state=inner_state,
             sync_state=sync_state,
             ledger=ledger,
+            agreed=agreed,
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,222 @@
+"""After a synchronization every replica holds the same bits (``exact_sync`` + ``apply_updates``).
+
+Every transform that replaces the parameters by an agreed value, in float32, bfloat16 and float16,
+under every harness: after each update whose synchronization set a leaf (``agreed.fresh``), that
+leaf's bits are identical on every replica of the synchronization's group (all replicas, or the
+node for a node-level average and DASO's merge broadcast).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxdist as od
+
+STEPS = 8
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+INNER = optax.sgd(0.1, momentum=0.9)
+
+
+def params0(dtype):
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w": (0.1 * jax.random.normal(k1, (16, 8))).astype(dtype),
+        "b": (0.01 * jax.random.normal(k2, (8,))).astype(dtype),
+    }
+
+
+def hierarchy(harness):
+    """``(h, N, G, run)``: a node hierarchy on this harness and a runner of stacked inputs."""
+    if harness.name == "mpi":
+        G = 2 if harness.n % 2 == 0 and harness.n >= 4 else 1
+        h = od.mpi_hierarchy(G)
+        return h, harness.n // G, G, harness.run
+    N, G = harness.n // 2, 2
+    if harness.name == "vmap":
+        h = od.axis_hierarchy(N, G)
+
+        def run(step, *stacked):
+            out = od.simulate(step, axis_name=("node", "local"), shape=(N, G))(*stacked)
+            return jax.tree.map(np.asarray, out)
+
+        return h, N, G, run
+    mh = od.mesh_hierarchy(N, G, devices=jax.devices()[: N * G])
+    return mh, N, G, lambda step, *stacked: jax.tree.map(np.asarray, od.on_mesh(step, mh.mesh)(*stacked))
+
+
+def node_scope(state) -> jax.Array:
+    """True when the last update's synchronization agreed within the node only."""
+    if isinstance(state, od.DasoState):
+        return state.last_events.averaged_group < 0
+    return state.last_sync == 1  # local_sgd's node-level average
+
+
+CASES = {
+    "local_sgd": lambda h: od.local_sgd(INNER, comm=h.world, period=2),
+    "local_sgd_hierarchical": lambda h: od.local_sgd(
+        INNER, comm=h.world, local_comm=h.local, period=4, local_period=2
+    ),
+    "average_params": lambda h: optax.chain(INNER, od.average_params(comm=h.world)),
+    "diloco": lambda h: od.diloco(INNER, comm=h.world, period=2),
+    "diloco_sharded": lambda h: od.diloco(INNER, comm=h.world, period=2, num_shards=h.world.size),
+    "slowmo": lambda h: od.slowmo(INNER, comm=h.world, period=3, learning_rate=0.1),
+    "streaming_diloco": lambda h: od.streaming_diloco(
+        INNER, comm=h.world, period=4, num_fragments=2, delay=1
+    ),
+    "partial_average": lambda h: od.partial_average(INNER, comm=h.world, partitions=[[0], [1]]),
+    "decentralized_sgd": lambda h: od.decentralized_sgd(
+        INNER, comm=h.world, topology=od.topology.ring(h.world.size), average_period=3
+    ),
+    "sgp": lambda h: od.sgp(
+        INNER, comm=h.world, topology=od.topology.exponential(h.world.size), average_period=3
+    ),
+    "daso": lambda h: od.daso(
+        INNER,
+        local_comm=h.local,
+        cross_comm=h.cross,
+        steps_per_epoch=4,
+        total_epochs=2,
+        warmup_epochs=0,
+        cooldown_epochs=0,
+        first_cycle=(2, 1, 1),
+    ),
+}
+
+
+def engine_state(opt_state):
+    (state,) = [
+        s
+        for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, (od.PeriodicState, od.DasoState)))
+        if isinstance(s, (od.PeriodicState, od.DasoState))
+    ]
+    return state
+
+
+def run_case(harness, make, dtypes=DTYPES, apply=od.apply_updates):
+    """Per dtype: the parameters' bits after every update, the fresh flags and the scope."""
+    h, N, G, run = hierarchy(harness)
+
+    def train(c, *ps):
+        tx = make(h)
+        out = []
+        for p in ps:
+
+            def step(carry, t):
+                p, state = carry  # different gradients on every replica (threefry compiles slowly)
+                grads = jax.tree.map(
+                    lambda x: jnp.sin(x * c[0].astype(x.dtype) + (t * c[1]).astype(x.dtype)), p
+                )
+                updates, state = tx.update(grads, state, p, value=jnp.float32(1.0))
+                p = apply(p, updates, state)
+                s = engine_state(state)
+                return (p, state), (p, s.agreed.fresh, node_scope(s))
+
+            out.append(jax.lax.scan(step, (p, tx.init(p)), jnp.arange(STEPS, dtype=jnp.float32))[1])
+        return out
+
+    W = N * G
+    c = np.stack([np.linspace(1, 3, W), np.linspace(0.5, 2, W)], 1).astype(np.float32)
+    stacked = [od.replicate(params0(d), W) for d in dtypes]
+    return run(train, c, *stacked), N, G
+
+
+def bits(x):
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def assert_agreed_bits(traces, N, G, dtypes=DTYPES):
+    """Every fresh leaf identical on its group after every step; at least one sync per leaf."""
+    for dtype, trace in zip(dtypes, traces):
+        synced = {"w": 0, "b": 0}
+        params, fresh, node = trace  # leading axes: replica, step
+        for t in range(STEPS):
+            for name in params:
+                flags = fresh[name][:, t]
+                assert (flags == flags[0]).all(), (dtype, t, name)  # the flags are replicated
+                if not flags[0]:
+                    continue
+                synced[name] += 1
+                p = bits(params[name][:, t])
+                groups = p.reshape(N, G, -1) if node[0, t] else p.reshape(1, N * G, -1)
+                for g in groups:
+                    np.testing.assert_array_equal(
+                        g, g[:1].repeat(len(g), 0), err_msg=f"{dtype} step {t} {name}"
+                    )
+        assert min(synced.values()) >= 1, (dtype, synced)
+
+
+# the default run keeps one case of each mechanism: the engine's copy (hierarchical local SGD),
+# anchors kept by the synchronizations' state (Streaming DiLoCo: fragments, delayed merges), DASO's
+# own state; `scripts/test.sh --all` runs every case (under mpirun -n 4 as well)
+DEFAULT_CASES = ("local_sgd_hierarchical", "streaming_diloco", "daso")
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
+)
+def test_replicas_hold_the_agreed_bits(harness, case):
+    traces, N, G = run_case(harness, CASES[case])
+    assert_agreed_bits(traces, N, G)
+
+
+def test_without_sync_params_replicas_differ_after_a_sync(harness):
+    """The property above fails without the mechanism: ``optax.apply_updates`` adds ``target −
+    params`` and lands within a rounding of the target, differently on each replica."""
+    traces, N, G = run_case(
+        harness, CASES["local_sgd"], (jnp.float32,), lambda p, u, s: optax.apply_updates(p, u)
+    )
+    params, fresh, _ = traces[0]
+    synced = fresh["w"][0]
+    assert synced.sum() == STEPS // 2
+    w = bits(params["w"][:, synced])
+    assert (w != w[:1]).any()
+
+
+def test_sync_params_with_flax_nnx():
+    """``nnx.Optimizer`` wraps the state's leaves (``OptVariable``): sync_params goes leaf by leaf."""
+    from flax import nnx
+
+    comm = od.AxisComm(od.REPLICA_AXIS)
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, od.local_sgd(INNER, comm=comm, period=2), wrt=nnx.Param)
+    graphdef, state = od.nnx_replicate((model, optimizer), 4)
+
+    def train(objects, x, y, exact):
+        model, optimizer = objects
+        grads = nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        if exact:
+            nnx.update(model, od.sync_params(nnx.state(model, nnx.Param), optimizer.opt_state))
+
+    x = jax.random.normal(jax.random.key(1), (4, 16, 8))
+    y = jnp.sin(3 * x[..., :4])
+    for exact in (False, True):
+        step = od.simulate(od.nnx_step(graphdef, lambda o, x, y, e=exact: train(o, x, y, e)))
+        s = state
+        for _ in range(4):  # steps 2 and 4 average
+            s, _ = step(s, x, y)
+        kernel = bits(od.nnx_replica(graphdef, s, None)[0].kernel[...])
+        assert (kernel == kernel[:1]).all() == exact
+
+
+def test_sync_params_names_a_shape_mismatch():
+    tx = od.local_sgd(INNER, comm=od.SoloComm(), period=1)
+    state = tx.init({"w": jnp.zeros((3,))})
+    with pytest.raises(ValueError, match=r"made for parameters of shapes \[\(3,\)\], got \[\(4,\)\]"):
+        od.sync_params({"w": jnp.zeros((4,))}, state)
+
+
+def test_what_exact_sync_keeps():
+    """A copy of the parameters where nothing else holds them; DiLoCo's anchors are them (flags
+    only, unless sharded); ``exact_sync=False`` keeps nothing."""
+    comm, p = od.SoloComm(), params0(jnp.bfloat16)
+    copy = od.local_sgd(INNER, comm=comm, period=2).init(p).agreed
+    assert jax.tree.map(lambda v: v.dtype, copy.values) == jax.tree.map(lambda v: v.dtype, p)
+    assert od.diloco(INNER, comm=comm, period=2).init(p).agreed.values is None
+    assert od.diloco(INNER, comm=comm, period=2, num_shards=1).init(p).agreed.values is not None
+    assert od.local_sgd(INNER, comm=comm, period=2, exact_sync=False).init(p).agreed == ()
+    with pytest.raises(ValueError, match="exact_sync='yes' must be a bool"):
+        od.partial_average(INNER, comm=comm, exact_sync="yes")
