@@ -100,7 +100,7 @@ RULES: dict[type, dict[str, str | None]] = {
         "ledger": LEDGER,
         "agreed": INHERIT,
     },
-    AgreedParams: {"fresh": REPLICATED, "values": AVERAGE},
+    AgreedParams: {"fresh": "zero", "values": AVERAGE},  # nothing agreed since the resize
     OuterState: {
         "layout": INHERIT,
         "anchors": REPLICATED,

@@ -16,7 +16,7 @@ import optax
 
 from optaxdist.transforms._checks import find_states
 from optaxdist.transforms.daso import DasoState
-from optaxdist.transforms.periodic import PeriodicState
+from optaxdist.transforms.periodic import AGREED, UNTOUCHED, AgreedParams, PeriodicState
 
 
 def sync_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params:
@@ -26,8 +26,10 @@ def sync_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
     Call it on each replica after the update, with the optimizer state that update returned. On
     steps without a synchronization, and for states made with ``exact_sync=False``, it returns
     ``params`` unchanged. Cost: an element-wise select over the parameters (none on a mesh or under
-    MPI on steps where nothing was synchronized: a ``lax.cond``). Transforms nested in one another
-    are applied innermost first, so the outermost synchronization wins, as in the update.
+    MPI on steps where nothing was agreed: a ``lax.cond``). With transforms nested in one another
+    the outermost decides: a leaf an outer synchronization changed (a gossip mix, a blended merge)
+    or agreed on is not overwritten by an inner one. States inside ``optax.masked`` /
+    ``optax.multi_transform`` cover their own leaves.
 
     Example (Flax NNX, whose ``Optimizer.update`` calls ``optax.apply_updates``)::
 
@@ -35,30 +37,41 @@ def sync_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
         params = nnx.state(model, nnx.Param)
         nnx.update(model, optaxdist.sync_params(params, optimizer.opt_state))
     """
-    for state in reversed(find_states(opt_state, (PeriodicState, DasoState))):
-        agreed = state.agreed_params(params)
-        if agreed is None:
+    leaves, treedef = jax.tree.flatten(params)
+    claimed = [jnp.asarray(False)] * len(leaves)  # set by a synchronization further out
+    for state in find_states(opt_state, (PeriodicState, DasoState)):  # outermost first
+        if not isinstance(state.agreed, AgreedParams):
             continue
         # leaf by leaf: the state may wrap them differently (Flax NNX's OptVariable for Param)
-        fresh, values = jax.tree.leaves(agreed[0]), jax.tree.leaves(agreed[1])
-        leaves, treedef = jax.tree.flatten(params)
-        if not fresh:
+        # and skip the leaves a mask gave to another transformation (optax.MaskedNode)
+        slots = jax.tree.leaves(state.agreed.fresh, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+        mine = [i for i, s in enumerate(slots) if not isinstance(s, optax.MaskedNode)]
+        if len(slots) != len(leaves):
+            raise ValueError(
+                f"sync_params: the optimizer state was made for {len(slots)} parameter leaves, "
+                f"got {len(leaves)}"
+            )
+        if not mine:
             continue
-        if len(fresh) != len(leaves) or any(jnp.shape(v) != jnp.shape(p) for v, p in zip(values, leaves)):
+        like = [leaves[i] for i in mine]
+        fresh, values = state.agreed_leaves(like)
+        if any(jnp.shape(v) != jnp.shape(p) for v, p in zip(values, like)):
             raise ValueError(
                 "sync_params: the optimizer state was made for parameters of shapes "
-                f"{[jnp.shape(v) for v in values]}, got {[jnp.shape(p) for p in leaves]}"
+                f"{[jnp.shape(v) for v in values]}, got {[jnp.shape(p) for p in like]}"
             )
-        leaves = jax.lax.cond(
-            jnp.any(jnp.stack(fresh)),
-            lambda f, v, p: [jnp.where(*x) for x in zip(f, v, p)],
-            lambda f, v, p: p,
-            fresh,
+        take = [(f == AGREED) & ~claimed[i] for f, i in zip(fresh, mine)]
+        new = jax.lax.cond(
+            jnp.any(jnp.stack(take)),
+            lambda t, v, p: [jnp.where(*x) for x in zip(t, v, p)],
+            lambda t, v, p: p,
+            take,
             values,
-            leaves,
+            like,
         )
-        params = jax.tree.unflatten(treedef, leaves)
-    return params
+        for i, f, x in zip(mine, fresh, new):
+            leaves[i], claimed[i] = x, claimed[i] | (f != UNTOUCHED)
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def apply_updates(params: optax.Params, updates: optax.Updates, opt_state: optax.OptState) -> optax.Params:

@@ -149,9 +149,9 @@ class DasoState(NamedTuple):
     daso_ledger: CommLedger
     agreed: AgreedParams | tuple[()] = ()
 
-    def agreed_params(self, like: Any) -> tuple[Any, Any] | None:
-        """``(fresh, values)`` for ``sync_params``, or None without ``exact_sync``."""
-        return (self.agreed.fresh, self.agreed.values) if isinstance(self.agreed, AgreedParams) else None
+    def agreed_leaves(self, like: list) -> tuple[list, list]:
+        """``AgreedParams.leaves`` for ``sync_params``."""
+        return self.agreed.leaves(like)
 
 
 class BatchPlan(NamedTuple):

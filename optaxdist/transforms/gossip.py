@@ -208,6 +208,7 @@ def decentralized_sgd(
         check_start=check_start,
         nonfinite=nonfinite,
         exact_sync=exact_sync,
+        agreed_values="copy" if average_period else "never",  # only the global average agrees
     )
 
 
@@ -360,6 +361,7 @@ def sgp(
         check_start=check_start,
         nonfinite=nonfinite,
         exact_sync=exact_sync,
+        agreed_values="copy" if average_period else "never",  # only the global average agrees
     )
 
 

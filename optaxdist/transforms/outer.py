@@ -68,10 +68,6 @@ class OuterState(NamedTuple):
                 leaves[i] = x
         return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
-    def agreed_params(self, like: Any) -> Any:
-        """The parameters a merge sets (``PeriodicState.agreed_params``): the anchors."""
-        return self.anchor_params(like)
-
 
 def _label(fragments: Partition, f: int, leaves, dtype: Any = None) -> str:
     """The part of fragment ``f``'s ledger kinds inside the brackets: ``fragment<f>:<dtype>`` (with
@@ -387,7 +383,8 @@ def outer_sync(
         check_start=check_start,
         nonfinite=nonfinite,
         exact_sync=exact_sync,
-        agreed_in_sync_state=not sharded,  # the anchors are the agreed parameters
+        # a merge sets the anchors (whole unless sharded); with a blend nothing is agreed
+        agreed_values="never" if blend else "copy" if sharded else "anchors",
     )
 
 

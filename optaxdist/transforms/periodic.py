@@ -41,46 +41,69 @@ from optaxdist.transforms._checks import (
 )
 from optaxdist.transforms._start import check_identical_start, start_kinds
 
+UNTOUCHED, AGREED, CHANGED = 0, 1, 2  # what the last update's synchronization did to a leaf
+
 
 class AgreedParams(NamedTuple):
-    """The parameters the last update's synchronization set (``exact_sync``), kept so that
-    ``optaxdist.sync_params`` can give every replica exactly those bits: ``params + (target −
-    params)`` is not ``target`` in floating point once the replicas have drifted apart.
+    """What the last update's synchronization did to each parameter leaf (``exact_sync``), and
+    the values it agreed on, so that ``optaxdist.sync_params`` can give every replica exactly
+    those bits: ``params + (target − params)`` is not ``target`` in floating point once the
+    replicas have drifted apart.
 
     Attributes:
-      fresh: a tree of the parameters' structure: per leaf, whether the last update set it
-        (replicated bool).
-      values: what it was set to, in the parameters' dtypes (a tree of their structure); None
-        where the synchronizations' state keeps it (``sync_state.agreed_params(like)``: the
-        anchors of DiLoCo, SlowMo and Streaming DiLoCo).
+      fresh: a tree of the parameters' structure, per leaf an int8 (replicated): ``AGREED`` (1)
+        set to a value every replica of the group holds, ``CHANGED`` (2) changed to a
+        per-replica value (a gossip mix, a blended merge), ``UNTOUCHED`` (0) only the local step.
+      values: the agreed values, in the parameters' dtypes (a tree of their structure); None
+        where the synchronizations' state holds them (``sync_state.anchor_params(like)``: the
+        anchors of DiLoCo, SlowMo and Streaming DiLoCo); ``()`` where the synchronizations never
+        agree (gossip without a global average, a blended merge): flags only.
     """
 
     fresh: Any
     values: Any
 
+    def leaves(self, like: list, held: Any = None) -> tuple[list, list]:
+        """``(fresh, values)`` as lists aligned with ``like`` (parameter leaves), the values cast
+        to their dtypes; ``held``: the values when the state does not keep them."""
+        if _never(self.values):  # no leaf is ever AGREED: the values are not read
+            return jax.tree.leaves(self.fresh), list(like)
+        values = jax.tree.leaves(self.values if self.values is not None else held)
+        return jax.tree.leaves(self.fresh), [v.astype(p.dtype) for v, p in zip(values, like)]
 
-def initial_agreed(params: Any, vary: Callable[[Any], Any], *, keep_values: bool = True) -> AgreedParams:
-    """Nothing fresh yet; the values (copies of ``params`` marked per replica by ``vary``, or
-    None) only fill the buffer."""
-    values = vary(jax.tree.map(lambda p: jnp.array(p, copy=True), params)) if keep_values else None
-    return AgreedParams(jax.tree.map(lambda _: jnp.asarray(False), params), values)
+
+def _never(values: Any) -> bool:
+    """``AgreedParams.values`` of synchronizations that never agree (``()``)."""
+    return isinstance(values, tuple) and not values
+
+
+def initial_agreed(params: Any, vary: Callable[[Any], Any], values: str = "copy") -> AgreedParams:
+    """Nothing agreed yet. ``values``: ``"copy"`` (copies of ``params``, marked per replica by
+    ``vary``, fill the buffer), ``"anchors"`` (None) or ``"never"`` (``()``)."""
+    kept = {"anchors": None, "never": ()}.get(values)
+    if values == "copy":
+        kept = vary(jax.tree.map(lambda p: jnp.array(p, copy=True), params))
+    return AgreedParams(jax.tree.map(lambda _: jnp.int8(UNTOUCHED), params), kept)
 
 
 def record_agreed(agreed: AgreedParams, target: Any, fresh: Any, vary: Callable[[Any], Any]) -> AgreedParams:
-    """``agreed`` after an update that set ``target`` where ``fresh``: a tree of Python bools
-    (which leaves; static), or one replicated bool scalar for all of them (a ``lax.cond``).
-    ``vary`` marks the values per replica."""
+    """``agreed`` after an update whose synchronization left ``target``. ``fresh``: per leaf a
+    static ``UNTOUCHED`` / ``AGREED`` / ``CHANGED`` (the periodic engine), or one replicated bool
+    scalar, True when every leaf was agreed (DASO; a ``lax.cond``). ``vary`` marks the values per
+    replica."""
     if isinstance(fresh, jax.Array):
-        flags = jax.tree.map(lambda _: fresh, agreed.fresh)
-        if agreed.values is None:
-            return AgreedParams(flags, None)
+        flags = jax.tree.map(lambda _: jnp.where(fresh, AGREED, UNTOUCHED).astype(jnp.int8), agreed.fresh)
+        if agreed.values is None or _never(agreed.values):
+            return AgreedParams(flags, agreed.values)
         cast = lambda t: jax.tree.map(lambda x, v: x.astype(v.dtype), t, agreed.values)  # noqa: E731
         values = jax.lax.cond(fresh, lambda: vary(cast(target)), lambda: vary(agreed.values))
         return AgreedParams(flags, values)
-    flags = jax.tree.map(jnp.asarray, fresh)
-    if agreed.values is None:
-        return AgreedParams(flags, None)
-    values = jax.tree.map(lambda f, t, v: t.astype(v.dtype) if f else v, fresh, target, agreed.values)
+    flags = jax.tree.map(jnp.int8, fresh)
+    if agreed.values is None or _never(agreed.values):
+        return AgreedParams(flags, agreed.values)
+    values = jax.tree.map(
+        lambda f, t, v: t.astype(v.dtype) if f == AGREED else v, fresh, target, agreed.values
+    )
     return AgreedParams(flags, vary(values))
 
 
@@ -105,15 +128,11 @@ class PeriodicState(NamedTuple):
     ledger: CommLedger
     agreed: AgreedParams | tuple[()] = ()
 
-    def agreed_params(self, like: Any) -> tuple[Any, Any] | None:
-        """``(fresh, values)`` for ``sync_params`` (trees of the structure of ``like``, the
-        parameters), or None without ``exact_sync``."""
-        if not isinstance(self.agreed, AgreedParams):
-            return None
-        values = self.agreed.values
-        if values is None:  # the synchronizations' state keeps them (DiLoCo's anchors)
-            values = jax.tree.map(lambda v, p: v.astype(p.dtype), self.sync_state.agreed_params(like), like)
-        return self.agreed.fresh, values
+    def agreed_leaves(self, like: list) -> tuple[list, list]:
+        """``AgreedParams.leaves`` for ``sync_params`` (``like``: the parameter leaves this state
+        was made for), reading DiLoCo's anchors when the state keeps no copy."""
+        held = self.sync_state.anchor_params(like) if self.agreed.values is None else None
+        return self.agreed.leaves(like, held)
 
 
 class SyncInput(NamedTuple):
@@ -170,7 +189,7 @@ def periodic(
     check_start: bool = True,
     nonfinite: str = "skip",
     exact_sync: bool = True,
-    agreed_in_sync_state: bool = False,
+    agreed_values: str = "copy",
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps of ``inner``; after the local step of update ``t``, synchronization
     ``syncs[k − 1]`` where ``k = schedule(t − warmup_steps, len(syncs)) ≥ 1``.
@@ -208,8 +227,11 @@ def periodic(
         ``optaxdist.apply_updates`` / ``sync_params`` leave every replica holding exactly those
         bits. False: no copy; ``optax.apply_updates`` leaves the replicas within a rounding of
         each other.
-      agreed_in_sync_state: the synchronizations' state keeps the agreed values itself (its
-        ``agreed_params(like)``: DiLoCo's anchors), so ``exact_sync`` keeps only the flags.
+      agreed_values: where ``exact_sync`` finds the agreed values: ``"copy"`` (the engine keeps
+        one), ``"anchors"`` (the synchronizations' state holds them whole, its
+        ``anchor_params(like)``: DiLoCo's anchors; flags only) or ``"never"`` (the
+        synchronizations never agree, e.g. gossip without a global average: flags only, which
+        still tell ``sync_params`` which leaves a synchronization changed).
 
     The schedule's synchronizations, the warm-up and the first step after it are branches of one
     ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
@@ -218,7 +240,9 @@ def periodic(
     check_warmup_steps(warmup_steps)
     check_comm("comm", comm)
     check_nonfinite(nonfinite)
-    check_bools(exact_sync=exact_sync, agreed_in_sync_state=agreed_in_sync_state)
+    check_bools(exact_sync=exact_sync)
+    if agreed_values not in ("copy", "anchors", "never"):
+        raise ValueError(f"agreed_values={agreed_values!r} must be 'copy', 'anchors' or 'never'")
     wire = canonical_comm_dtype(dtype)
     inner = optax.with_extra_args_support(inner)
 
@@ -240,7 +264,7 @@ def periodic(
             inner_state=inner_state,
             sync_state=per_replica(init_sync(params), comm),
             ledger=comm.varying(ledger) if ledger_varies else ledger,
-            agreed=initial_agreed(params, vary, keep_values=not agreed_in_sync_state) if exact_sync else (),
+            agreed=initial_agreed(params, vary, agreed_values) if exact_sync else (),
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -256,18 +280,25 @@ def periodic(
             Without one, or when it leaves the parameters alone, the update is the local step's."""
             grads, inner_state, sync_state, ledger, agreed = operand
             u, inner_state = local_step(inner, grads, inner_state, params, nonfinite=nonfinite, **extra)
-            target, fresh = params, ()
+            treedef = jax.tree.structure(params)
+            target, flags = params, [UNTOUCHED] * treedef.num_leaves
             if then is not None:
                 local_params = optax.apply_updates(params, u)
                 x = then(SyncInput(t, params, u, local_params, inner_state, sync_state, ledger))
                 inner_state, sync_state, ledger = x.inner_state, x.sync_state, x.ledger
                 if moves_params:
                     u = jax.tree.map(lambda n, p: (n - p.astype(n.dtype)).astype(p.dtype), x.local, params)
-                    target, fresh = x.local, x.agreed
+                    # a leaf the synchronization returned as it got it is untouched (static)
+                    before, after = jax.tree.leaves(local_params), jax.tree.leaves(x.local)
+                    target, flags = (
+                        x.local,
+                        [
+                            AGREED if i in x.agreed else UNTOUCHED if a is b else CHANGED
+                            for i, (b, a) in enumerate(zip(before, after))
+                        ],
+                    )
             if exact_sync:  # the flags are replicated, the values per replica
-                leaves, treedef = jax.tree.flatten(params)
-                flags = jax.tree.unflatten(treedef, [i in fresh for i in range(len(leaves))])
-                agreed = record_agreed(agreed, target, flags, vary)
+                agreed = record_agreed(agreed, target, jax.tree.unflatten(treedef, flags), vary)
             return (*per_replica((u, inner_state, sync_state, ledger), comm), agreed)
 
         def warm_up(operand):
