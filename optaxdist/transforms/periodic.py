@@ -80,9 +80,10 @@ def _never(values: Any) -> bool:
 def initial_agreed(params: Any, vary: Callable[[Any], Any], values: str = "copy") -> AgreedParams:
     """Nothing agreed yet. ``values``: ``"copy"`` (copies of ``params``, marked per replica by
     ``vary``, fill the buffer), ``"anchors"`` (None) or ``"never"`` (``()``)."""
-    kept = {"anchors": None, "never": ()}.get(values)
     if values == "copy":
         kept = vary(jax.tree.map(lambda p: jnp.array(p, copy=True), params))
+    else:
+        kept = None if values == "anchors" else ()
     return AgreedParams(jax.tree.map(lambda _: jnp.int8(UNTOUCHED), params), kept)
 
 
@@ -91,19 +92,20 @@ def record_agreed(agreed: AgreedParams, target: Any, fresh: Any, vary: Callable[
     static ``UNTOUCHED`` / ``AGREED`` / ``CHANGED`` (the periodic engine), or one replicated bool
     scalar, True when every leaf was agreed (DASO; a ``lax.cond``). ``vary`` marks the values per
     replica."""
-    if isinstance(fresh, jax.Array):
+    dynamic = isinstance(fresh, jax.Array)
+    if dynamic:
         flags = jax.tree.map(lambda _: jnp.where(fresh, AGREED, UNTOUCHED).astype(jnp.int8), agreed.fresh)
-        if agreed.values is None or _never(agreed.values):
-            return AgreedParams(flags, agreed.values)
-        cast = lambda t: jax.tree.map(lambda x, v: x.astype(v.dtype), t, agreed.values)  # noqa: E731
-        values = jax.lax.cond(fresh, lambda: vary(cast(target)), lambda: vary(agreed.values))
-        return AgreedParams(flags, values)
-    flags = jax.tree.map(jnp.int8, fresh)
+    else:
+        flags = jax.tree.map(jnp.int8, fresh)
     if agreed.values is None or _never(agreed.values):
         return AgreedParams(flags, agreed.values)
-    values = jax.tree.map(
-        lambda f, t, v: t.astype(v.dtype) if f == AGREED else v, fresh, target, agreed.values
-    )
+    if dynamic:
+        cast = lambda: jax.tree.map(lambda t, v: t.astype(v.dtype), target, agreed.values)  # noqa: E731
+        values = jax.lax.cond(fresh, lambda: vary(cast()), lambda: vary(agreed.values))
+    else:
+        values = jax.tree.map(
+            lambda f, t, v: t.astype(v.dtype) if f == AGREED else v, fresh, target, agreed.values
+        )
     return AgreedParams(flags, vary(values))
 
 
@@ -290,13 +292,11 @@ def periodic(
                     u = jax.tree.map(lambda n, p: (n - p.astype(n.dtype)).astype(p.dtype), x.local, params)
                     # a leaf the synchronization returned as it got it is untouched (static)
                     before, after = jax.tree.leaves(local_params), jax.tree.leaves(x.local)
-                    target, flags = (
-                        x.local,
-                        [
-                            AGREED if i in x.agreed else UNTOUCHED if a is b else CHANGED
-                            for i, (b, a) in enumerate(zip(before, after))
-                        ],
-                    )
+                    target = x.local
+                    flags = [
+                        AGREED if i in x.agreed else UNTOUCHED if a is b else CHANGED
+                        for i, (b, a) in enumerate(zip(before, after))
+                    ]
             if exact_sync:  # the flags are replicated, the values per replica
                 agreed = record_agreed(agreed, target, jax.tree.unflatten(treedef, flags), vary)
             return (*per_replica((u, inner_state, sync_state, ledger), comm), agreed)
