@@ -34,3 +34,12 @@ def pcast_varying(x: jax.Array, axes: Sequence[str]) -> jax.Array:
     if not missing:
         return x
     return jax.lax.pcast(x, missing, to="varying")
+
+
+def all_gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
+    """``all_gather`` whose result is typed invariant over ``axis_name`` (every member holds the
+    same value): public in newer JAX, private in 0.10."""
+    gather = getattr(jax.lax, "all_gather_invariant", None)
+    if gather is None:
+        from jax._src.lax.parallel import all_gather_invariant as gather
+    return gather(x, axis_name)

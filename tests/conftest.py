@@ -2,8 +2,9 @@
 
 Normal runs force 8 CPU devices (for the mesh harness) and parametrize every test that takes the
 ``harness`` fixture over ``vmap`` and ``mesh``. Under ``mpirun`` (``OPTAXDIST_MPI=1``, set by
-tests/test_mpi.py) each process keeps one device, only the ``harness`` tests are collected, and they
-run on the ``mpi`` harness.
+tests/test_mpi.py) only the ``harness`` tests are collected: each process keeps one device and they
+run on the ``mpi`` harness, or, with ``OPTAXDIST_NODE_DEVICES=G``, each process is a node of ``G``
+devices and they run on the ``node`` harness (one process per node).
 """
 
 import json
@@ -11,24 +12,27 @@ import os
 from pathlib import Path
 
 UNDER_MPI = os.environ.get("OPTAXDIST_MPI") == "1"
-if not UNDER_MPI:
+# one process per node: under mpirun, each process with OPTAXDIST_NODE_DEVICES CPU devices
+NODE_DEVICES = int(os.environ.get("OPTAXDIST_NODE_DEVICES", "0"))
+if not UNDER_MPI or NODE_DEVICES:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+        count = NODE_DEVICES or 8
+        os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={count}").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-from tests.harness import MeshHarness, MpiHarness, VmapHarness  # noqa: E402
+from tests.harness import MeshHarness, MpiHarness, NodeHarness, VmapHarness  # noqa: E402
 
 HARNESS_N = 8
 
 
 def pytest_generate_tests(metafunc):
     if "harness" in metafunc.fixturenames:
-        kinds = ["mpi"] if UNDER_MPI else ["vmap", "mesh"]
+        kinds = (["node"] if NODE_DEVICES else ["mpi"]) if UNDER_MPI else ["vmap", "mesh"]
         metafunc.parametrize("harness", kinds, indirect=True)
 
 
@@ -38,6 +42,8 @@ def harness(request):
         return VmapHarness(HARNESS_N)
     if request.param == "mesh":
         return MeshHarness(HARNESS_N)
+    if request.param == "node":
+        return NodeHarness()
     return MpiHarness()
 
 

@@ -1,5 +1,6 @@
-"""The three test harnesses. Each runs a per-replica ``step(*rows)`` on stacked inputs and returns
-stacked NumPy outputs, so one test body checks vmap, the 8-device mesh and MPI alike."""
+"""The four test harnesses. Each runs a per-replica ``step(*rows)`` on stacked inputs and returns
+stacked NumPy outputs, so one test body checks vmap, the 8-device mesh, MPI (one process per
+device) and one process per node (MPI between processes of several devices each) alike."""
 
 from __future__ import annotations
 
@@ -58,3 +59,23 @@ class MpiHarness:
         out = jax.tree.map(np.asarray, od.on_mpi(step)(*rows))
         gathered = self.comm.comm.allgather(out)
         return jax.tree.map(lambda *xs: np.stack(xs), *gathered)
+
+
+class NodeHarness:
+    """One process per node (``mpirun -n N``, ``G`` CPU devices each): ``node_hierarchy`` and
+    ``on_node``. Each process runs its node's rows; the rows of all nodes are gathered host side."""
+
+    name = "node"
+
+    def __init__(self):
+        self.hierarchy = od.node_hierarchy()
+        self.comm = self.hierarchy.world
+        self.n = self.comm.size
+        self._mpi = self.hierarchy.cross.exchange.comm
+
+    def run(self, step: Callable[..., Any], *stacked: Any) -> Any:
+        g, node = self.hierarchy.local_size, self._mpi.Get_rank()
+        rows = jax.tree.map(lambda x: np.asarray(x)[node * g : (node + 1) * g], stacked)
+        out = jax.tree.map(np.asarray, od.on_node(step, self.hierarchy)(*rows))
+        gathered = self._mpi.allgather(out)
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *gathered)

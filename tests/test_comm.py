@@ -146,12 +146,17 @@ def test_mpi_hierarchy_rejects_bad_split():
 
 
 def test_mpi_hierarchy_under_mpi(harness):
-    """Under mpirun with 4 processes: 2 nodes × 2. Elsewhere: the same groups with AxisComm."""
+    """Under mpirun with 4 processes: 2 nodes × 2; one process per node: its devices. Elsewhere:
+    the same groups with AxisComm."""
     n = harness.n
-    if harness.name != "mpi":
+    if harness.name == "node":
+        h = harness.hierarchy
+        local = h.local_size
+    elif harness.name == "mpi":
+        local = 2 if n % 2 == 0 else 1
+        h = od.mpi_hierarchy(local)
+    else:
         return  # the vmap/mesh hierarchies are covered by test_hierarchy_vmap_and_mesh
-    local = 2 if n % 2 == 0 else 1
-    h = od.mpi_hierarchy(local)
     x = np.arange(n, dtype=np.float32)
     out = harness.run(lambda v: (h.local.psum(v), h.cross.psum(v)), x)
     np.testing.assert_array_equal(out[0], np.repeat(x.reshape(-1, local).sum(1), local))
@@ -177,3 +182,71 @@ def test_solo_comm_is_a_group_of_one():
     u, s = jax.jit(lambda g: tx.update(g, tx.init(g)))(x)
     np.testing.assert_array_equal(u, x)
     assert od.comm_stats(s).bytes == 12
+
+
+def _run_rounds(rounds, to_myself, x, nodes, local_size):
+    """The data movement of NodeComm._permute, in NumPy: what each member ends with."""
+    out = np.where(to_myself, x, 0.0)
+    for r in rounds:
+        arrived = x
+        if any(r.cross):
+            arrived = np.zeros_like(x)
+            for i, pairs in enumerate(r.cross):
+                for n, m in pairs:
+                    arrived[m * local_size + i] = x[n * local_size + i]
+            out = np.where(r.cross_final, arrived, out)
+        if r.local:
+            sent = np.where(r.forward, arrived, x)
+            got = np.zeros_like(x)
+            for node in range(nodes):
+                for a, b in r.local:
+                    got[node * local_size + b] = sent[node * local_size + a]
+            out = np.where(r.local_final, got, out)
+    return out
+
+
+@pytest.mark.parametrize("nodes, local_size", [(2, 4), (3, 2), (4, 1), (1, 4), (3, 3)])
+def test_node_permutation_routing(nodes, local_size):
+    """Every (partial) permutation of the world is delivered by the rounds NodeComm plans: one cross
+    hop and one local hop per message, each device sending and receiving once per stage."""
+    from optaxdist.comm.node import _route
+
+    world = nodes * local_size
+    rng = np.random.default_rng(world)
+    x = np.arange(1.0, world + 1)
+    ring = [(i, (i + 1) % world) for i in range(world)]
+    perms = [ring, [(d, s) for s, d in ring]]
+    for _ in range(20):
+        dst = rng.permutation(world)
+        keep = rng.random(world) < 0.7
+        perms.append([(s, int(dst[s])) for s in range(world) if keep[s]])
+    for perm in perms:
+        rounds = _route(tuple(perm), nodes, local_size)
+        to_myself = np.asarray([any(s == d == w for s, d in perm) for w in range(world)])
+        want = np.zeros(world)
+        for s, d in perm:
+            want[d] = x[s]
+        np.testing.assert_array_equal(_run_rounds(rounds, to_myself, x, nodes, local_size), want, str(perm))
+        for r in rounds:
+            for pairs in r.cross:
+                assert len({n for n, _ in pairs}) == len(pairs) and len({m for _, m in pairs}) == len(pairs)
+    assert len(_route(tuple(ring), nodes, local_size)) == 1  # a ring is one round
+
+
+def test_node_hierarchy_on_one_node_and_its_errors():
+    """One process = one node of 8 devices (the cross-node group has one member); the errors of a
+    node hierarchy used outside ``on_node`` and of ``on_node`` given another hierarchy."""
+    h = od.node_hierarchy()
+    assert (h.num_nodes, h.local_size, h.world.size) == (1, 8, 8)
+    x = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)
+    out = od.on_node(lambda v: (h.world.psum(v), h.world.index(), h.world.all_gather(v)), h)(x)
+    np.testing.assert_array_equal(np.asarray(out[0]), np.broadcast_to(x.sum(0), x.shape))
+    np.testing.assert_array_equal(np.asarray(out[1]), np.arange(8))
+    np.testing.assert_array_equal(np.asarray(out[2][3]), x)
+    outside = jax.shard_map(
+        lambda v: h.world.psum(v), mesh=h.mesh, in_specs=jax.P("local"), out_specs=jax.P()
+    )
+    with pytest.raises(RuntimeError, match="outside optaxdist.on_node"):
+        jax.jit(outside)(x)
+    with pytest.raises(TypeError, match="node_hierarchy"):
+        od.on_node(lambda v: v, od.mesh_hierarchy(2, 4))

@@ -244,3 +244,31 @@ def test_state_does_not_alias_the_params(factory):
     state = tx.init(p)
     ids = {id(x) for x in jax.tree.leaves(p)}
     assert not [x for x in jax.tree.leaves(state) if id(x) in ids]
+
+
+# the default run keeps one of each family under pmap; the full run, every transform
+PMAP_DEFAULT = ("local_sgd", "powersgd", "sgp_overlap")
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n in PMAP_DEFAULT else pytest.mark.slow) for n in sorted(TRANSFORMS)]
+)
+def test_pmap_gives_the_numbers_of_simulate(name):
+    """``jax.pmap(step, axis_name='replica')`` with an ``AxisComm``: the same numbers as
+    ``simulate`` (pmap is deprecated in favour of shard_map, but works and is supported)."""
+    tx = TRANSFORMS[name][0]()
+
+    def step(p):
+        me = jax.lax.axis_index("replica").astype(jnp.float32)
+        s = tx.init(p)
+        for t in range(3):
+            g = jax.tree.map(lambda x, t=t: jnp.sin(x + me + t).astype(x.dtype), p)
+            u, s = tx.update(g, s, p)
+            p = optax.apply_updates(p, u)
+        return p, s
+
+    p = stacked(make_params())
+    want = od.simulate(step)(p)
+    got = jax.pmap(step, axis_name="replica", devices=jax.devices()[:N])(p)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)

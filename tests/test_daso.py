@@ -721,19 +721,24 @@ def test_same_numbers_on_vmap_and_mesh():
 
 
 def test_same_numbers_under_mpi(harness):
-    """Under mpirun -n 4: 2 nodes × 2 (mpi_hierarchy(2)); -n 2: 2 nodes × 1. Elsewhere a no-op:
-    vmap and mesh are compared in test_same_numbers_on_vmap_and_mesh."""
-    if harness.name != "mpi":
+    """Under mpirun -n 4: 2 nodes × 2 (mpi_hierarchy(2)); -n 2: 2 nodes × 1; one process per node:
+    Heat's groups exactly (local = my node's devices, cross = MPI group i). Elsewhere a no-op: vmap
+    and mesh are compared in test_same_numbers_on_vmap_and_mesh."""
+    if harness.name not in ("mpi", "node"):
         return
     W = harness.n
-    G = 2 if W % 2 == 0 and W >= 4 else 1
+    if harness.name == "node":
+        h = harness.hierarchy
+        G = h.local_size
+    else:
+        G = 2 if W % 2 == 0 and W >= 4 else 1
+        h = od.mpi_hierarchy(G)
     N = W // G
     spe, epochs = 7, 2
     kw = dict(
         steps_per_epoch=spe, total_epochs=epochs, warmup_epochs=1, cooldown_epochs=0, first_cycle=(2, 2, 1)
     )
     losses = epoch_losses([3.0, 2.0], W, spe)
-    h = od.mpi_hierarchy(G)
     tx = daso(optax.sgd(LR), local_comm=h.local, cross_comm=h.cross, **kw)
     got = harness.run(make_train(tx, spe * epochs), *inputs(W, spe * epochs, losses))
     want = simulate_daso(N, G, spe * epochs, losses=losses, **kw)

@@ -31,6 +31,9 @@ def params0(dtype):
 
 def hierarchy(harness):
     """``(h, N, G, run)``: a node hierarchy on this harness and a runner of stacked inputs."""
+    if harness.name == "node":
+        h = harness.hierarchy
+        return h, h.num_nodes, h.local_size, harness.run
     if harness.name == "mpi":
         G = 2 if harness.n % 2 == 0 and harness.n >= 4 else 1
         h = od.mpi_hierarchy(G)

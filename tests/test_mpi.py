@@ -1,4 +1,5 @@
-"""Run every harness test under ``mpirun -n 2`` and ``-n 4``: one replica per process, MpiComm."""
+"""Run every harness test under ``mpirun -n 2`` and ``-n 4``: one replica per process (MpiComm), and
+one process per node of 4 devices (node_hierarchy, on_node)."""
 
 import json
 import os
@@ -46,25 +47,39 @@ GROUP_FILES = [
     "tests/test_exact_sync.py",
 ]
 SIZE_AGNOSTIC_FILES = [f for f in HARNESS_TEST_FILES if f not in GROUP_FILES]
+# One process per node (2 processes × 4 CPU devices, node_hierarchy/on_node): the default run keeps
+# the communicator's own tests, the all-reduce family, DASO with Heat's groups and the engine's
+# property test; the full run adds the other harness files, in their default selection (the whole
+# of them takes over 25 minutes on 2 cores: 8 device threads and two compilers).
+NODE_FILES = [
+    "tests/test_comm.py",
+    "tests/test_allreduce.py",
+    "tests/test_daso.py",
+    "tests/test_exact_sync.py",
+]
+NODE_MORE_FILES = [f for f in HARNESS_TEST_FILES if f not in NODE_FILES]
 
 
 @pytest.mark.parametrize(
-    "nproc, files",
+    "nproc, node_devices, files",
     [
-        pytest.param(2, GROUP_FILES, id="2"),
-        pytest.param(2, SIZE_AGNOSTIC_FILES, id="2-size-agnostic", marks=pytest.mark.slow),
-        pytest.param(4, GROUP_FILES, id="4", marks=pytest.mark.slow),
+        pytest.param(2, 0, GROUP_FILES, id="2"),
+        pytest.param(2, 0, SIZE_AGNOSTIC_FILES, id="2-size-agnostic", marks=pytest.mark.slow),
+        pytest.param(4, 0, GROUP_FILES, id="4", marks=pytest.mark.slow),
+        pytest.param(2, 4, NODE_FILES, id="2-nodes-x4"),
+        pytest.param(2, 4, NODE_MORE_FILES, id="2-nodes-x4-more", marks=pytest.mark.slow),
     ],
 )
-def test_harness_tests_under_mpirun(nproc, files, tmp_path, request):
+def test_harness_tests_under_mpirun(nproc, node_devices, files, tmp_path, request):
     env = dict(
         os.environ,
         OPTAXDIST_MPI="1",
         OPTAXDIST_MPI_RESULTS=str(tmp_path),
+        OPTAXDIST_NODE_DEVICES=str(node_devices),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )
-    env.pop("XLA_FLAGS", None)  # one device per process
+    env.pop("XLA_FLAGS", None)  # one device per process, or OPTAXDIST_NODE_DEVICES (conftest.py)
     cmd = [
         _mpirun(),
         "-n",
@@ -77,10 +92,10 @@ def test_harness_tests_under_mpirun(nproc, files, tmp_path, request):
         "-p",
         "no:cacheprovider",
         # the default run keeps the default selection under mpirun too; the full run runs all
-        *(["-m", "not slow"] if request.node.get_closest_marker("slow") is None else []),
+        *(["-m", "not slow"] if request.node.get_closest_marker("slow") is None or node_devices else []),
         *files,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     # every rank writes its own result (tests/conftest.py); each must have run tests and passed

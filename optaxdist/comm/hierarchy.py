@@ -13,7 +13,9 @@ import jax
 
 from optaxdist.comm.axis import AxisComm
 from optaxdist.comm.base import Communicator
+from optaxdist.comm.cross import CrossComm, _Exchange
 from optaxdist.comm.mpi import MpiComm, _mpi
+from optaxdist.comm.node import NodeComm
 
 NODE_AXIS = "node"
 LOCAL_AXIS = "local"
@@ -92,3 +94,34 @@ def mpi_hierarchy(local_size: int | None = None, *, comm: Any = None) -> Hierarc
     local = world.comm.Split(color=rank // local_size, key=rank)
     cross = world.comm.Split(color=rank % local_size, key=rank)
     return Hierarchy(world, MpiComm(local), MpiComm(cross), num_nodes, local_size)
+
+
+def node_hierarchy(*, devices: list[jax.Device] | None = None, comm: Any = None) -> Hierarchy:
+    """One process per node: ``local`` = this process's devices (``jax.lax`` collectives over the
+    mesh axis ``'local'``), ``cross`` = the devices with my local index on every node (MPI),
+    ``world`` = both composed (``NodeComm``: local reduce-scatter → cross-node all-reduce of 1/G of
+    the data per device, the G devices at once → local all-gather). Run the step with
+    ``optaxdist.on_node(step, hierarchy)``.
+
+    Args:
+      devices: the node's devices (default: ``jax.local_devices()``); every node must have as many.
+      comm: the mpi4py communicator of the nodes, one process each (default ``COMM_WORLD``).
+
+    Launch one process per node (``mpirun -n <nodes> --ppn 1``, ``srun --ntasks-per-node=1``) with
+    no ``jax.distributed``: the processes meet only through MPI.
+    """
+    MPI, _ = _mpi()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    devices = list(jax.local_devices() if devices is None else devices)
+    local_size = len(devices)
+    sizes = comm.allgather(local_size)
+    if len(set(sizes)) != 1:
+        raise ValueError(
+            f"the nodes hold different numbers of devices (by rank: {sizes}); every node must use "
+            "the same number (pass devices=)"
+        )
+    mesh = jax.make_mesh(
+        (local_size,), (LOCAL_AXIS,), devices=devices, axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    cross = CrossComm(_Exchange(comm, local_size), LOCAL_AXIS, local_size)
+    return Hierarchy(NodeComm(cross), AxisComm(LOCAL_AXIS), cross, cross.size, local_size, mesh)

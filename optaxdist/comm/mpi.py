@@ -31,7 +31,7 @@ class MpiComm(Communicator):
     Launch one process per device (``mpirun -n 4 python train.py``) and call the update inside a
     plain ``jax.jit``. mpi4jax primitives carry an ordered effect that JAX refuses in computations
     over several devices, so using an ``MpiComm`` inside ``shard_map`` or ``vmap`` raises a clear
-    error; for a node of several devices use ``AxisComm`` inside the node (``mpi_hierarchy``).
+    error; for a node of several devices per process use ``node_hierarchy`` and ``on_node``.
 
     Example (run with ``mpirun -n 2``)::
 
@@ -72,8 +72,9 @@ class MpiComm(Communicator):
         if manual_axes():
             raise RuntimeError(
                 "MpiComm was used inside jax.shard_map over a multi-device mesh: mpi4jax needs one "
-                "device per MPI process. Use AxisComm inside the mesh (see mpi_hierarchy) or run "
-                "one process per device."
+                "device per MPI process. For one process per node with several devices use "
+                "optaxdist.node_hierarchy() and on_node (the node's devices through jax.lax, the "
+                "nodes through MPI), or run one process per device."
             )
         if isinstance(x, jax.core.Tracer) and type(x).__name__ == "BatchTracer":
             raise RuntimeError(

@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 from optaxdist.accounting import CommLedger
 from optaxdist.agreement import DIGEST_BYTES, DIGEST_KIND, agree, describe_step
 from optaxdist.comm.base import Communicator
+from optaxdist.comm.cross import CrossComm
+from optaxdist.comm.hierarchy import Hierarchy
 from optaxdist.parallel.multihost import host_allgather
 
 PyTree = Any
@@ -95,9 +97,11 @@ class AgreedStep:
         step: Callable[..., Any],
         allgather: Callable[[bytes], list[bytes]] | None,
         who: str,
+        *,
+        wait: bool = False,
     ):
         self._jitted, self._traced, self._step = jitted, traced, step
-        self._allgather, self._who = allgather, who
+        self._allgather, self._who, self._wait = allgather, who, wait
         self.agreement = CommLedger.create({DIGEST_KIND: DIGEST_BYTES})
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -106,7 +110,8 @@ class AgreedStep:
             description = describe_step(traced, *args, user_step=self._step)
             self.agreement = agree(description, self._allgather, who=self._who)
             self._allgather = None
-        return self._jitted(*args, **kwargs)
+        out = self._jitted(*args, **kwargs)
+        return jax.block_until_ready(out) if self._wait else out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jitted, name)
@@ -172,6 +177,44 @@ def on_mpi(step: Callable[..., Any], *, comm: Any = None, check_config: bool = T
         comm = MpiComm() if comm is None else comm
         allgather = comm.host_allgather if comm.size > 1 else None
     return AgreedStep(jax.jit(step), step, step, allgather, "ranks")
+
+
+def on_node(step: Callable[..., Any], hierarchy: Hierarchy, *, check_config: bool = True) -> AgreedStep:
+    """Run ``step`` with one replica per device of this node, the nodes joined by MPI: one
+    process per node (``mpirun``/``srun``, no ``jax.distributed``), ``hierarchy`` from
+    ``node_hierarchy()``.
+
+    Arguments and results are stacked over **this node's** replicas (leading axis
+    ``hierarchy.local_size``, local order); replica ``node * local_size + l`` of the world is row
+    ``l`` on the process of rank ``node``. Inside, ``hierarchy.world`` / ``.local`` / ``.cross``
+    communicate as their names say. Each call waits for its results (a step's cross-node exchange
+    blocks its devices' threads until the other nodes answer, so a second step must not queue
+    behind it). Unless ``check_config=False``, the first call checks that every node runs the same
+    configuration (``AgreedStep``).
+    """
+    from optaxdist.comm.cross import numbered_exchanges
+
+    if hierarchy.mesh is None or not isinstance(hierarchy.cross, CrossComm):
+        raise TypeError("on_node needs the hierarchy of optaxdist.node_hierarchy()")
+    spec = P(hierarchy.mesh.axis_names)
+
+    def per_device(*args):
+        with numbered_exchanges():
+            rows = jax.tree.map(lambda x: x[0], args)
+            return jax.tree.map(lambda x: jnp.expand_dims(x, 0), step(*rows))
+
+    mapped = jax.shard_map(per_device, mesh=hierarchy.mesh, in_specs=spec, out_specs=spec)
+
+    def run(*args):
+        return mapped(
+            *jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(hierarchy.mesh, spec)), args
+            )
+        )
+
+    exchange = hierarchy.cross.exchange
+    allgather = exchange.host_allgather if check_config and exchange.size > 1 else None
+    return AgreedStep(jax.jit(run), run, step, allgather, "nodes", wait=True)
 
 
 def broadcast_from_root(tree: PyTree, *, comm: Communicator, root: int = 0) -> PyTree:

@@ -1,0 +1,234 @@
+"""``CrossComm``: MPI between nodes, for a program that runs over the devices of each node.
+
+One process per node (``mpirun``/``srun``), several devices per process, a ``jax.shard_map`` over the
+process's devices: device ``l`` of every node forms one group (Heat DASO's "MPI group ``l``"), and
+the ``G`` groups of a node exchange at the same time, each on its own MPI communicator.
+
+mpi4jax's primitives carry an ordered effect, which JAX refuses in a program over several devices,
+so the exchange runs in a host callback (``jax.pure_callback``) calling mpi4py with NumPy buffers.
+Two rules keep it from hanging:
+
+* Every message is point-to-point with a **tag numbered at trace time** (``numbered_exchanges``,
+  entered by ``optaxdist.on_node`` for each trace of the step). MPI matches messages by source, tag
+  and communicator, so two exchanges that XLA runs in a different order on two nodes still meet.
+* The callback never touches JAX (NumPy and mpi4py only), and ``on_node`` waits for each step's
+  results before the next step starts: a callback blocks its device's thread until the peers
+  answer, and a second step queued behind it could hold the threads its peers need.
+
+The all-reduce is the bandwidth-optimal direct scheme: block ``j`` of the data goes to node ``j``,
+which adds the ``N`` blocks in node order and sends the sum back to everybody — ``2(N−1)/N`` of the
+data out and in per device, like a ring, in two rounds of messages instead of ``2(N−1)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optaxdist._compat import manual_axes, pcast_varying
+from optaxdist.comm.base import Communicator
+
+_TAGS: contextvars.ContextVar[Iterator[int] | None] = contextvars.ContextVar("optaxdist_tags", default=None)
+_PHASES = 4  # tags per exchange: its rounds of messages never share a tag
+
+
+@contextlib.contextmanager
+def numbered_exchanges() -> Iterator[None]:
+    """Number the cross-node exchanges traced inside, from 0 (``on_node`` enters it per trace).
+
+    Every process traces the same step, so the same exchange gets the same number everywhere."""
+    token = _TAGS.set(itertools.count())
+    try:
+        yield
+    finally:
+        _TAGS.reset(token)
+
+
+def _next_tag(upper_bound: int) -> int:
+    counter = _TAGS.get()
+    if counter is None:
+        raise RuntimeError(
+            "a cross-node exchange (CrossComm, NodeComm) was traced outside optaxdist.on_node: "
+            "on_node numbers the exchanges of each step so that every node matches them; run the "
+            "step with on_node(step, hierarchy)"
+        )
+    return (next(counter) * _PHASES) % (upper_bound - _PHASES)
+
+
+def _mpi():
+    from optaxdist.comm.mpi import _mpi as load
+
+    MPI, _ = load()
+    return MPI
+
+
+def _accumulator(dtype: np.dtype) -> np.dtype:
+    # 16-bit floats are added in float32 and rounded once, as MpiComm does.
+    return np.dtype(np.float32) if dtype.itemsize == 2 and dtype.kind in "fV" else dtype
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    """The bytes of ``a``, a view (a receive buffer must be the array itself, not a copy)."""
+    if not a.flags.c_contiguous:
+        raise ValueError("exchange buffers must be contiguous")
+    return a.reshape(-1).view(np.uint8)
+
+
+class _Exchange:
+    """The host side: one duplicated communicator per local index; NumPy in, NumPy out."""
+
+    def __init__(self, comm: Any, local_size: int):
+        MPI = _mpi()
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "one process per node needs MPI initialised with MPI_THREAD_MULTIPLE (the devices of "
+                f"a node exchange from their own threads); this MPI gives level {MPI.Query_thread()}. "
+                "Do not set mpi4py.rc.thread_level below 'multiple', and use an MPI built with "
+                "thread support (the mpich wheel is)"
+            )
+        self.comm = comm
+        self.comms = tuple(comm.Dup() for _ in range(local_size))
+        self.rank = int(comm.Get_rank())
+        self.size = int(comm.Get_size())
+        self.tag_ub = int(comm.Get_attr(MPI.TAG_UB))
+
+    def host_allgather(self, data: bytes) -> list[bytes]:
+        """Every node's ``data`` (host bytes), outside compiled code."""
+        return [bytes(d) for d in self.comm.allgather(bytes(data))]
+
+    def _talk(
+        self, local: int, tag: int, sends: list[tuple[int, np.ndarray]], recvs: list[tuple[int, np.ndarray]]
+    ):
+        MPI = _mpi()
+        comm = self.comms[local]
+        requests = [comm.Irecv([_as_bytes(buf), MPI.BYTE], source=src, tag=tag) for src, buf in recvs]
+        requests += [comm.Isend([_as_bytes(buf), MPI.BYTE], dest=dst, tag=tag) for dst, buf in sends]
+        MPI.Request.Waitall(requests)
+
+    def _reduce_blocks(self, local: int, tag: int, blocks: np.ndarray) -> np.ndarray:
+        """Block ``rank`` of the sum over nodes of ``blocks`` (``[size, B]``), added in node order."""
+        others = [j for j in range(self.size) if j != self.rank]
+        arrived = np.empty_like(blocks)
+        self._talk(local, tag, [(j, blocks[j]) for j in others], [(j, arrived[j]) for j in others])
+        arrived[self.rank] = blocks[self.rank]
+        acc = arrived[0].astype(_accumulator(blocks.dtype))
+        for j in range(1, self.size):
+            acc = acc + arrived[j].astype(acc.dtype)
+        return acc.astype(blocks.dtype)
+
+    def _gather(self, local: int, tag: int, mine: np.ndarray) -> np.ndarray:
+        others = [j for j in range(self.size) if j != self.rank]
+        out = np.empty((self.size,) + mine.shape, mine.dtype)
+        out[self.rank] = mine
+        self._talk(local, tag, [(j, mine) for j in others], [(j, out[j, ...]) for j in others])
+        return out
+
+    def all_reduce(self, local: int, tag: int, x: np.ndarray) -> np.ndarray:
+        flat = x.reshape(-1)
+        block = -(-flat.size // self.size)
+        padded = np.zeros(block * self.size, x.dtype)
+        padded[: flat.size] = flat
+        mine = self._reduce_blocks(local, tag, padded.reshape(self.size, block))
+        return self._gather(local, tag + 1, mine).reshape(-1)[: flat.size].reshape(x.shape)
+
+    def reduce_scatter(self, local: int, tag: int, x: np.ndarray) -> np.ndarray:
+        return self._reduce_blocks(local, tag, x.reshape(self.size, -1))
+
+    def all_gather(self, local: int, tag: int, x: np.ndarray) -> np.ndarray:
+        return self._gather(local, tag, x)
+
+    def permute(self, local: int, tag: int, x: np.ndarray, dest: Routes, source: Routes) -> np.ndarray:
+        """Send ``x`` to node ``dest[local][rank]``, receive from ``source[local][rank]`` (−1:
+        none; nothing received is 0)."""
+        out = np.zeros_like(x)
+        to, frm = dest[local][self.rank], source[local][self.rank]
+        self._talk(local, tag, [(to, x)] if to >= 0 else [], [(frm, out)] if frm >= 0 else [])
+        return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CrossComm(Communicator):
+    """The devices with my local index on every node, through MPI (one process per node).
+
+    Used inside ``optaxdist.on_node``: the program runs over the node's devices (mesh axis
+    ``local_axis``), and device ``l`` exchanges with device ``l`` of the other nodes. Build it with
+    ``optaxdist.node_hierarchy``, which also gives the node-local and world groups.
+    """
+
+    exchange: _Exchange
+    local_axis: str
+    local_size: int
+
+    @property
+    def size(self) -> int:
+        return self.exchange.size
+
+    def index(self) -> jax.Array:
+        return jax.pure_callback(
+            lambda: np.int32(self.exchange.rank),
+            jax.ShapeDtypeStruct((), jnp.int32),
+            vmap_method="broadcast_all",
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "type": "CrossComm",
+            "nodes": self.size,
+            "local_axis": self.local_axis,
+            "local_size": self.local_size,
+        }
+
+    def _call(self, method: str, x: jax.Array, out: jax.ShapeDtypeStruct, *static: Any) -> jax.Array:
+        if self.local_axis not in manual_axes():
+            raise RuntimeError(
+                f"{type(self).__name__} runs inside a jax.shard_map over the node's devices (axis "
+                f"{self.local_axis!r}): use optaxdist.on_node(step, hierarchy)"
+            )
+        tag = _next_tag(self.exchange.tag_ub)
+        fn = getattr(self.exchange, method)
+
+        def host(local, value):
+            return np.asarray(fn(int(local), tag, np.require(value, requirements="C"), *static), out.dtype)
+
+        local = jax.lax.axis_index(self.local_axis)
+        x = pcast_varying(x, (self.local_axis,))
+        return jax.pure_callback(host, out, local, x, vmap_method="sequential")
+
+    def _psum(self, x):
+        return self._call("all_reduce", x, jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+    def _all_gather(self, x):
+        return self._call("all_gather", x, jax.ShapeDtypeStruct((self.size,) + x.shape, x.dtype))
+
+    def _psum_scatter(self, x):
+        return self._call("reduce_scatter", x, jax.ShapeDtypeStruct((x.shape[0] // self.size,), x.dtype))
+
+    def _permute(self, x, perm):
+        return self.permute_per_local(x, (perm,) * self.local_size)
+
+    def permute_per_local(self, x: jax.Array, perms: tuple[tuple[tuple[int, int], ...], ...]) -> jax.Array:
+        """``permute`` with its own node permutation ``perms[l]`` for the devices of local index
+        ``l`` (the G groups exchange at once)."""
+        dest = tuple(tuple(_table(perm, self.size, 0)) for perm in perms)
+        source = tuple(tuple(_table(perm, self.size, 1)) for perm in perms)
+        return self._call("permute", x, jax.ShapeDtypeStruct(x.shape, x.dtype), dest, source)
+
+
+Routes = tuple[tuple[int, ...], ...]
+
+
+def _table(perm: tuple[tuple[int, int], ...], size: int, key: int) -> list[int]:
+    """``perm`` as a lookup by sender (``key=0``: its destination) or by receiver (``key=1``: its
+    source), −1 where none."""
+    out = [-1] * size
+    for pair in perm:
+        out[pair[key]] = pair[1 - key]
+    return out
