@@ -20,7 +20,7 @@ import optax  # noqa: E402
 import optaxdist as od  # noqa: E402
 
 h = od.node_hierarchy()  # local: this process's devices; cross: MPI; world: both composed
-G, node = h.local_size, h.cross.exchange.rank
+G, node = h.local_size, h.cross.rank
 tx = od.local_sgd(optax.sgd(0.02, momentum=0.9), comm=h.world, local_comm=h.local, period=4, local_period=2)
 true_w = jnp.arange(1.0, 9.0).reshape(8, 1)
 
@@ -39,7 +39,7 @@ rng = np.random.default_rng(node)  # every node has its own data, every device i
 for _ in range(100):
     w, s, loss = run(w, s, jnp.asarray(rng.normal(size=(G, 32, 8)), jnp.float32))
 od.assert_replicas_identical(w)  # within this node; across nodes, the cross-node average agreed
-spread = h.cross.exchange.comm.allgather(np.asarray(w[0]))
+spread = h.cross.mpi_comm.allgather(np.asarray(w[0]))
 assert all(np.array_equal(spread[0], other) for other in spread)
 stats = od.comm_stats(s)
 print(f"node {node}: loss {float(loss.mean()):.4f}, w[:3] {np.asarray(w[0, :3, 0]).round(3)}, ", end="")

@@ -67,11 +67,15 @@ class NodeHarness:
 
     name = "node"
 
+    _hierarchy = None  # one per process: each duplicates an MPI communicator per device
+
     def __init__(self):
-        self.hierarchy = od.node_hierarchy()
+        if NodeHarness._hierarchy is None:
+            NodeHarness._hierarchy = od.node_hierarchy()
+        self.hierarchy = NodeHarness._hierarchy
         self.comm = self.hierarchy.world
         self.n = self.comm.size
-        self._mpi = self.hierarchy.cross.exchange.comm
+        self._mpi = self.hierarchy.cross.mpi_comm
 
     def run(self, step: Callable[..., Any], *stacked: Any) -> Any:
         g, node = self.hierarchy.local_size, self._mpi.Get_rank()

@@ -6,14 +6,16 @@ the ``G`` groups of a node exchange at the same time, each on its own MPI commun
 
 mpi4jax's primitives carry an ordered effect, which JAX refuses in a program over several devices,
 so the exchange runs in a host callback (``jax.pure_callback``) calling mpi4py with NumPy buffers.
-Two rules keep it from hanging:
+What keeps it matched and moving:
 
 * Every message is point-to-point with a **tag numbered at trace time** (``numbered_exchanges``,
   entered by ``optaxdist.on_node`` for each trace of the step). MPI matches messages by source, tag
-  and communicator, so two exchanges that XLA runs in a different order on two nodes still meet.
-* The callback never touches JAX (NumPy and mpi4py only), and ``on_node`` waits for each step's
-  results before the next step starts: a callback blocks its device's thread until the peers
-  answer, and a second step queued behind it could hold the threads its peers need.
+  and communicator, so exchanges in flight at once on one device never take each other's data.
+  Every node compiles the same program, and a device runs its exchanges in that program's order;
+  the tags do not make a different order safe (a callback blocks until its peers answer).
+* The callback computes with NumPy and mpi4py only (JAX hands it its operands), and ``on_node``
+  waits for each step's results before the next step starts: a callback blocks its device's thread
+  until the peers answer, and a second step queued behind it could hold the threads they need.
 
 The all-reduce is the bandwidth-optimal direct scheme: block ``j`` of the data goes to node ``j``,
 which adds the ``N`` blocks in node order and sends the sum back to everybody — ``2(N−1)/N`` of the
@@ -37,7 +39,7 @@ from optaxdist._compat import manual_axes, pcast_varying
 from optaxdist.comm.base import Communicator
 
 _TAGS: contextvars.ContextVar[Iterator[int] | None] = contextvars.ContextVar("optaxdist_tags", default=None)
-_PHASES = 4  # tags per exchange: its rounds of messages never share a tag
+_PHASES = 2  # tags per exchange: its two rounds of messages never share a tag
 
 
 @contextlib.contextmanager
@@ -60,25 +62,27 @@ def _next_tag(upper_bound: int) -> int:
             "on_node numbers the exchanges of each step so that every node matches them; run the "
             "step with on_node(step, hierarchy)"
         )
-    return (next(counter) * _PHASES) % (upper_bound - _PHASES)
+    return (next(counter) % (upper_bound // _PHASES)) * _PHASES
 
 
 def _mpi():
-    from optaxdist.comm.mpi import _mpi as load
-
-    MPI, _ = load()
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on the installed extras
+        raise ImportError("one process per node needs mpi4py: pip install 'optaxdist[mpi]'") from e
     return MPI
 
 
+_HALF_FLOATS = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
 def _accumulator(dtype: np.dtype) -> np.dtype:
-    # 16-bit floats are added in float32 and rounded once, as MpiComm does.
-    return np.dtype(np.float32) if dtype.itemsize == 2 and dtype.kind in "fV" else dtype
+    # The cross-node stage adds 16-bit floats in float32 and rounds once, as MpiComm does.
+    return np.dtype(np.float32) if dtype in _HALF_FLOATS else dtype
 
 
 def _as_bytes(a: np.ndarray) -> np.ndarray:
-    """The bytes of ``a``, a view (a receive buffer must be the array itself, not a copy)."""
-    if not a.flags.c_contiguous:
-        raise ValueError("exchange buffers must be contiguous")
+    """The bytes of ``a`` (contiguous), a view: a receive buffer must be the array itself."""
     return a.reshape(-1).view(np.uint8)
 
 
@@ -171,7 +175,18 @@ class CrossComm(Communicator):
     def size(self) -> int:
         return self.exchange.size
 
+    @property
+    def rank(self) -> int:
+        """This node's rank (a static Python int, the MPI rank of this process)."""
+        return self.exchange.rank
+
+    @property
+    def mpi_comm(self) -> Any:
+        """The mpi4py communicator of the nodes (for host-side exchanges of your own)."""
+        return self.exchange.comm
+
     def index(self) -> jax.Array:
+        # A callback, not the constant rank, so that every node compiles the same program.
         return jax.pure_callback(
             lambda: np.int32(self.exchange.rank),
             jax.ShapeDtypeStruct((), jnp.int32),

@@ -14,6 +14,7 @@ import jax
 from optaxdist.comm.axis import AxisComm
 from optaxdist.comm.base import Communicator
 from optaxdist.comm.cross import CrossComm, _Exchange
+from optaxdist.comm.cross import _mpi as _mpi4py
 from optaxdist.comm.mpi import MpiComm, _mpi
 from optaxdist.comm.node import NodeComm
 
@@ -107,10 +108,11 @@ def node_hierarchy(*, devices: list[jax.Device] | None = None, comm: Any = None)
       devices: the node's devices (default: ``jax.local_devices()``); every node must have as many.
       comm: the mpi4py communicator of the nodes, one process each (default ``COMM_WORLD``).
 
-    Launch one process per node (``mpirun -n <nodes> --ppn 1``, ``srun --ntasks-per-node=1``) with
+    Launch one process per node (MPICH ``mpirun -n <nodes> --ppn 1``, Open MPI ``mpirun -n <nodes>
+    --map-by ppr:1:node``, ``srun --ntasks-per-node=1``) with
     no ``jax.distributed``: the processes meet only through MPI.
     """
-    MPI, _ = _mpi()
+    MPI = _mpi4py()
     comm = MPI.COMM_WORLD if comm is None else comm
     devices = list(jax.local_devices() if devices is None else devices)
     local_size = len(devices)

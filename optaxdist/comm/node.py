@@ -10,8 +10,7 @@ cross-node one (``CrossComm``), so that what leaves a node is as small as it can
 * all-gather: cross-node all-gather of each device's own value → local all-gather;
 * reduce-scatter: local reduce-scatter → cross-node reduce-scatter;
 * permutation: each message goes through at most one cross-node hop (between the devices with the
-  sender's local index) and one local hop, packed into as few rounds as the static permutation
-  allows (one for a ring).
+  sender's local index) and one local hop, packed greedily into rounds (one for a ring).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optaxdist._compat import all_gather_invariant, pcast_varying
+from optaxdist._compat import all_gather_invariant, manual_axes, pcast_varying
 from optaxdist.comm.axis import AxisComm
 from optaxdist.comm.base import Communicator
 from optaxdist.comm.cross import CrossComm
@@ -49,7 +48,15 @@ class NodeComm(Communicator):
     def size(self) -> int:
         return self.cross.size * self.local_size
 
+    def _bound(self) -> None:
+        if self.cross.local_axis not in manual_axes():
+            raise RuntimeError(
+                f"NodeComm runs inside a jax.shard_map over the node's devices (axis "
+                f"{self.cross.local_axis!r}): use optaxdist.on_node(step, hierarchy)"
+            )
+
     def index(self) -> jax.Array:
+        self._bound()
         return self.cross.index() * self.local_size + jax.lax.axis_index(self.cross.local_axis).astype(
             jnp.int32
         )
@@ -61,6 +68,7 @@ class NodeComm(Communicator):
         return jax.tree.map(lambda x: pcast_varying(jnp.asarray(x), (self.cross.local_axis,)), tree)
 
     def _psum(self, x):
+        self._bound()
         flat = x.reshape(-1)
         block = -(-flat.size // self.local_size)
         padded = jnp.pad(flat, (0, block * self.local_size - flat.size))
@@ -68,6 +76,7 @@ class NodeComm(Communicator):
         return self._gather_node(mine).reshape(-1)[: flat.size].reshape(x.shape)
 
     def _all_gather(self, x):
+        self._bound()
         by_node = self._gather_node(self.cross._all_gather(x))  # [G, N, ...]
         return jnp.swapaxes(by_node, 0, 1).reshape((self.size,) + x.shape)
 
@@ -77,12 +86,13 @@ class NodeComm(Communicator):
         return all_gather_invariant(pcast_varying(x, (self.cross.local_axis,)), self.cross.local_axis)
 
     def _psum_scatter(self, x):
+        self._bound()
         nodes, local = self.cross.size, self.local_size
         by_local = jnp.swapaxes(x.reshape(nodes, local, -1), 0, 1).reshape(-1)  # [G·N·B]
         return self.cross._psum_scatter(self.local._psum_scatter(by_local))
 
     def _permute(self, x, perm):
-        me = self.index()
+        me = self.index()  # checks the axis is bound
         to_myself = tuple(any(s == d == w for s, d in perm) for w in range(self.size))
         out = jnp.where(jnp.asarray(to_myself)[me], x, jnp.zeros_like(x))
         for hop in _route(perm, self.cross.size, self.local_size):

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from optaxdist.accounting import CommLedger
 from optaxdist.agreement import DIGEST_BYTES, DIGEST_KIND, agree, describe_step
 from optaxdist.comm.base import Communicator
-from optaxdist.comm.cross import CrossComm
+from optaxdist.comm.cross import CrossComm, numbered_exchanges
 from optaxdist.comm.hierarchy import Hierarchy
 from optaxdist.parallel.multihost import host_allgather
 
@@ -192,8 +192,6 @@ def on_node(step: Callable[..., Any], hierarchy: Hierarchy, *, check_config: boo
     behind it). Unless ``check_config=False``, the first call checks that every node runs the same
     configuration (``AgreedStep``).
     """
-    from optaxdist.comm.cross import numbered_exchanges
-
     if hierarchy.mesh is None or not isinstance(hierarchy.cross, CrossComm):
         raise TypeError("on_node needs the hierarchy of optaxdist.node_hierarchy()")
     spec = P(hierarchy.mesh.axis_names)
