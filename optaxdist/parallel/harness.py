@@ -81,6 +81,16 @@ def simulate(
     return jax.jit(run) if jit else run
 
 
+def _on_own_row(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` on the one row a device holds inside ``shard_map`` (leading axis of length 1)."""
+
+    def per_device(*args):
+        rows = jax.tree.map(lambda x: x[0], args)
+        return jax.tree.map(lambda x: jnp.expand_dims(x, 0), step(*rows))
+
+    return per_device
+
+
 class AgreedStep:
     """A compiled step that checks, at its first call, that every process runs the same
     configuration (``optaxdist.agreement``) before any collective of the step runs.
@@ -140,11 +150,7 @@ def on_mesh(
     spec = P(names)
     model_axes = [a for a in mesh.axis_names if a not in names]
 
-    def per_device(*args):
-        rows = jax.tree.map(lambda x: x[0], args)
-        return jax.tree.map(lambda x: jnp.expand_dims(x, 0), step(*rows))
-
-    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(names))
+    mapped = jax.shard_map(_on_own_row(step), mesh=mesh, in_specs=spec, out_specs=spec, axis_names=set(names))
 
     explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
     place = jax.reshard if explicit else jax.lax.with_sharding_constraint
@@ -198,8 +204,7 @@ def on_node(step: Callable[..., Any], hierarchy: Hierarchy, *, check_config: boo
 
     def per_device(*args):
         with numbered_exchanges():
-            rows = jax.tree.map(lambda x: x[0], args)
-            return jax.tree.map(lambda x: jnp.expand_dims(x, 0), step(*rows))
+            return _on_own_row(step)(*args)
 
     mapped = jax.shard_map(per_device, mesh=hierarchy.mesh, in_specs=spec, out_specs=spec)
 
