@@ -22,7 +22,7 @@ node the model uses the intra-node link (``nvlink``), with more than one the net
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from optaxdist.accounting import Kind
@@ -44,32 +44,19 @@ NETWORKS: dict[str, Network] = {
 }
 
 
-def _all_reduce(s: float, n: int, net: Network) -> float:
-    return 2 * (n - 1) / n * s / net.bandwidth + 2 * (n - 1) * net.latency
+class _Shape(NamedTuple):
+    """What one member of a group of ``n`` sends for a payload of 1 byte, and in how many steps."""
 
-
-def _all_gather(s: float, n: int, net: Network) -> float:
-    return (n - 1) * s / net.bandwidth + (n - 1) * net.latency
-
-
-def _reduce_scatter(s: float, n: int, net: Network) -> float:
-    return (n - 1) / n * s / net.bandwidth + (n - 1) * net.latency
-
-
-def _permute(s: float, n: int, net: Network) -> float:
-    return s / net.bandwidth + net.latency
-
-
-def _broadcast(s: float, n: int, net: Network) -> float:
-    return s / net.bandwidth + (n - 1) * net.latency
+    wire: Callable[[int], float]
+    steps: Callable[[int], int]
 
 
 _MODELS = {
-    "all_reduce": _all_reduce,
-    "all_gather": _all_gather,
-    "reduce_scatter": _reduce_scatter,
-    "permute": _permute,
-    "broadcast": _broadcast,
+    "all_reduce": _Shape(lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
+    "all_gather": _Shape(lambda n: n - 1, lambda n: n - 1),
+    "reduce_scatter": _Shape(lambda n: (n - 1) / n, lambda n: n - 1),
+    "permute": _Shape(lambda n: 1, lambda n: 1),
+    "broadcast": _Shape(lambda n: 1, lambda n: n - 1),
 }
 
 
@@ -115,10 +102,19 @@ def collective_time(kind: Kind | str, payload_bytes: float, n: int, network: str
         raise ValueError(f"n={n!r} must be a positive int")
     if payload_bytes < 0:
         raise ValueError(f"payload_bytes={payload_bytes!r} must be non-negative")
-    model = _MODELS[collective_of(kind)]
     if n == 1:
         return 0.0
-    return model(float(payload_bytes), n, get_network(network))
+    net = get_network(network)
+    shape = _MODELS[collective_of(kind)]
+    return shape.steps(n) * net.latency + wire_bytes(kind, payload_bytes, n) / net.bandwidth
+
+
+def wire_bytes(kind: Kind | str, payload_bytes: float, n: int) -> float:
+    """Bytes one member sends for one collective of ledger ``kind`` among ``n`` (the bandwidth
+    column of the table in this module's docstring, times the link's bandwidth)."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r} must be a positive int")
+    return 0.0 if n == 1 else _MODELS[collective_of(kind)].wire(n) * float(payload_bytes)
 
 
 def group_and_link(kind: Kind, n: int, nodes: int, network: str | Network) -> tuple[int, Network]:

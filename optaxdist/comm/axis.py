@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from optaxdist._compat import manual_axes, pcast_varying
+from optaxdist._compat import all_gather_invariant, manual_axes, pcast_varying
 from optaxdist.comm.base import Communicator
 
 
@@ -77,20 +77,55 @@ class AxisComm(Communicator):
 
         return jax.tree.map(one, tree)
 
+    def _on_mesh(self) -> bool:
+        return set(self.axes) <= set(manual_axes())
+
     def _psum(self, x):
         self.size  # noqa: B018  (raises the clear error when an axis is unbound)
+        if self._sums_in_two_phases(x.dtype):
+            return self._psum_in_two_phases(x)
         return jax.lax.psum(pcast_varying(x, self.axes), self.axis_name)
+
+    def _sums_in_two_phases(self, dtype) -> bool:
+        """XLA:CPU runs every collective on bfloat16 in float32 (and on 8-bit floats in float16;
+        float16 stays float16): such sums go as a reduce-scatter and an all-gather of the bits."""
+        dtype = jnp.dtype(dtype)
+        narrow = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 2 and dtype != jnp.float16
+        return narrow and jax.default_backend() == "cpu"
+
+    def _narrow_float_psum_scatter(self, x):
+        """Member ``i`` sums block ``i`` of every member's ``x`` (an all-to-all of the bits) in
+        float32, in member order, rounded once. Under ``vmap`` nothing crosses devices: the same
+        sum over the gathered values, so ``simulate`` gives the numbers of the mesh."""
+        rows = x.reshape(self.size, -1)
+        if self._on_mesh():
+            bits = _bits(pcast_varying(rows, self.axes))
+            received = _from_bits(jax.lax.all_to_all(bits, self.axis_name, 0, 0), x.dtype)
+        else:
+            received = self._all_gather(rows)[:, self.index()]
+        return jnp.sum(received.astype(jnp.float32), axis=0).astype(x.dtype)
+
+    def _gather_sum(self, block):
+        if not self._on_mesh():
+            return self._all_gather(block)
+        # typed invariant over the axes, as a psum is: every member holds the same sum
+        bits = _bits(block)
+        for a in reversed(self.axes):
+            bits = all_gather_invariant(bits, a)
+        return _from_bits(bits.reshape((self.size,) + block.shape), block.dtype)
 
     def _all_gather(self, x):
         self.size  # noqa: B018
-        x = pcast_varying(x, self.axes)
+        bits = _bits(pcast_varying(x, self.axes))
         # Gather minor axis first: a tuple axis_name is not supported under nested vmap.
         for a in reversed(self.axes):
-            x = jax.lax.all_gather(x, a)
-        return x.reshape((self.size,) + x.shape[len(self.axes) :])
+            bits = jax.lax.all_gather(bits, a)
+        return _from_bits(bits.reshape((self.size,) + x.shape), x.dtype)
 
     def _psum_scatter(self, x):
         size = self.size
+        if self._sums_in_two_phases(x.dtype):
+            return self._narrow_float_psum_scatter(x)
         if len(self.axes) == 1:
             return jax.lax.psum_scatter(pcast_varying(x, self.axes), self.axis_name, tiled=True)
         # several axes: sum everywhere, keep my block (nested vmap has no multi-axis reduce-scatter)
@@ -99,9 +134,10 @@ class AxisComm(Communicator):
 
     def _permute(self, x, perm):
         size = self.size
-        on_mesh = set(self.axes) <= set(manual_axes())
-        if on_mesh or (len(self.axes) == 1 and len(perm) == size):
-            return jax.lax.ppermute(pcast_varying(x, self.axes), self.axis_name, perm)
+        if self._on_mesh() or (len(self.axes) == 1 and len(perm) == size):
+            return _from_bits(
+                jax.lax.ppermute(_bits(pcast_varying(x, self.axes)), self.axis_name, perm), x.dtype
+            )
         # vmap batches only full permutations over a single axis: simulate the rest with a gather.
         source = [-1] * self.size
         for src, dst in perm:
@@ -109,3 +145,14 @@ class AxisComm(Communicator):
         src = jnp.asarray(source, jnp.int32)[self.index()]
         received = self._all_gather(x)[jnp.maximum(src, 0)]
         return jnp.where(src >= 0, received, jnp.zeros_like(received))
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """Narrow floats as unsigned integers of their width, which no backend widens (exact)."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize <= 2:
+        return jax.lax.bitcast_convert_type(x, jnp.uint16 if x.dtype.itemsize == 2 else jnp.uint8)
+    return x
+
+
+def _from_bits(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 Permutation = Sequence[tuple[int, int]]
@@ -109,14 +110,40 @@ class Communicator(abc.ABC):
         its size threshold allows. Ledgers count one event per call (see ``optaxdist.accounting``).
         """
         dt = canonical_comm_dtype(dtype)
+        leaves, treedef = jax.tree.flatten(tree)
+        leaves = [jnp.asarray(x) for x in leaves]
+        sent = [x.astype(jnp.int32) if x.dtype == jnp.bool_ else _cast(x, dt) for x in leaves]
+        summed: list[Any] = [None] * len(sent)
+        by_dtype: dict[jnp.dtype, list[int]] = {}
+        for i, x in enumerate(sent):
+            if self._sums_in_two_phases(x.dtype):
+                by_dtype.setdefault(x.dtype, []).append(i)
+            else:
+                summed[i] = self._psum(x)
+        for ix in by_dtype.values():  # one reduce-scatter + all-gather per dtype: padded once
+            flat = self._psum_in_two_phases(jnp.concatenate([sent[i].reshape(-1) for i in ix]))
+            for i, part in zip(ix, jnp.split(flat, np.cumsum([sent[i].size for i in ix])[:-1])):
+                summed[i] = part.reshape(sent[i].shape)
+        out = [s > 0 if x.dtype == jnp.bool_ else s.astype(x.dtype) for x, s in zip(leaves, summed)]
+        return jax.tree.unflatten(treedef, out)
 
-        def one(x):
-            x = jnp.asarray(x)
-            if x.dtype == jnp.bool_:
-                return self._psum(x.astype(jnp.int32)) > 0
-            return self._psum(_cast(x, dt)).astype(x.dtype)
+    def _sums_in_two_phases(self, dtype: jnp.dtype) -> bool:
+        """Whether this backend sums ``dtype`` as a reduce-scatter then an all-gather, where its
+        all-reduce would not send the dtype as it is (``_psum_in_two_phases``)."""
+        return False
 
-        return jax.tree.map(one, tree)
+    def _psum_in_two_phases(self, x: jax.Array) -> jax.Array:
+        """All-reduce as reduce-scatter (``_psum_scatter``) + all-gather (``_gather_sum``) of ``x``
+        flattened and padded with zeros to a multiple of ``size``: the bytes of a ring all-reduce,
+        ``2(n−1)/n`` of the padded payload sent by each member."""
+        flat = x.reshape(-1)
+        block = -(-flat.size // self.size)
+        mine = self._psum_scatter(jnp.pad(flat, (0, block * self.size - flat.size)))
+        return self._gather_sum(mine).reshape(-1)[: flat.size].reshape(x.shape)
+
+    def _gather_sum(self, block: jax.Array) -> jax.Array:
+        """Every member's block of a sum, stacked (the all-gather that ends ``_psum_in_two_phases``)."""
+        return self._all_gather(block)
 
     def pmean(self, tree: PyTree, *, dtype: Any = None) -> PyTree:
         """All-reduce mean. With float32 or float64 on the wire: ``psum`` followed by division by
@@ -130,14 +157,15 @@ class Communicator(abc.ABC):
         dt = canonical_comm_dtype(dtype)
         size = self.size
 
-        def one(x):
+        def before(x):
             x = jnp.asarray(x)
-            w = jnp.asarray(size, x.dtype)
-            if divides_first(x.dtype, dt):
-                return self.psum(x / w, dtype=dt)
-            return self.psum(x, dtype=dt) / w
+            return x / jnp.asarray(size, x.dtype) if divides_first(x.dtype, dt) else x
 
-        return jax.tree.map(one, tree)
+        def after(x, summed):
+            x = jnp.asarray(x)
+            return summed if divides_first(x.dtype, dt) else summed / jnp.asarray(size, x.dtype)
+
+        return jax.tree.map(after, tree, self.psum(jax.tree.map(before, tree), dtype=dt))
 
     def psum_scatter(self, x: jax.Array) -> jax.Array:
         """Reduce-scatter of a flat vector whose length is a multiple of ``size``: member ``i`` gets

@@ -85,10 +85,14 @@ class MpiComm(Communicator):
     def _psum(self, x):
         MPI, mpi4jax = _mpi()
         self._check_single_device(x)
-        if x.dtype in _HALF_TYPES:
-            # MPI has no 16-bit float sum: gather the 16-bit values, add them in float32, round.
-            return self._all_gather(x).astype(jnp.float32).sum(0).astype(x.dtype)
+        if self._sums_in_two_phases(x.dtype):
+            return self._psum_in_two_phases(x)
         return mpi4jax.allreduce(x, op=MPI.SUM, comm=self.comm)
+
+    def _sums_in_two_phases(self, dtype) -> bool:
+        """MPI has no 16-bit float sum: the bits go as an all-to-all (then added in float32,
+        rounded once) and an all-gather."""
+        return jnp.dtype(dtype) in _HALF_TYPES
 
     def _all_gather(self, x):
         _, mpi4jax = _mpi()
