@@ -43,3 +43,17 @@ def all_gather_invariant(x: jax.Array, axis_name: str) -> jax.Array:
     if gather is None:
         from jax._src.lax.parallel import all_gather_invariant as gather
     return gather(x, axis_name)
+
+
+def use_gloo_interface(interface: str) -> None:
+    """Make the CPU client's gloo collectives listen on ``interface``: JAX builds them with the
+    default (the address of the host's name) and has no option for it, so its factory is wrapped
+    before the CPU backend is created."""
+    import functools
+
+    from jax._src import xla_bridge
+
+    make = xla_bridge._jax.make_gloo_tcp_collectives
+    if isinstance(make, functools.partial):
+        make = make.func
+    xla_bridge._jax.make_gloo_tcp_collectives = functools.partial(make, interface=interface)

@@ -17,6 +17,7 @@ from optaxdist.bench.algorithms import (
     expand_names,
 )
 from optaxdist.bench.data import DATASETS, SHARDINGS
+from optaxdist.bench.network import NETWORK_ROWS
 
 SUBCOMMANDS = ("bench",)
 
@@ -35,12 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--suite",
-        choices=("train", "overhead", "compression-cost"),
+        choices=("train", "overhead", "compression-cost", "network"),
         default="train",
         help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd, and the "
         "local/sync steps of the periodic-sync transforms (--rows); "
         "compression-cost: compression compute per step (one replica) vs PyTorch's "
-        "powerSGD_hook, with the modelled comm time",
+        "powerSGD_hook, with the modelled comm time; network: jax.distributed processes in "
+        "network namespaces on rate-limited links (root), measured step time and bytes on the wire",
     )
     b.add_argument("--dataset", choices=DATASETS, default="digits")
     b.add_argument("--replicas", type=int, default=8, help="simulated replicas N")
@@ -51,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         help="iid: random split; skewed: sorted by label, then split",
     )
     b.add_argument("--batch-size", type=int, default=32, help="minibatch per replica")
-    b.add_argument("--steps", type=int, default=500)
+    b.add_argument("--steps", type=int, default=None, help="train: 500; network: 40 (timed steps)")
     b.add_argument("--lr", type=float, default=0.05)
     b.add_argument("--momentum", type=float, default=0.9, help="of the local optax.sgd (β₁ for adamw)")
     b.add_argument(
@@ -72,11 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--hidden", default="128,128", help="MLP hidden widths")
     b.add_argument(
         "--algorithms",
-        default=",".join(DEFAULT_ALGORITHMS),
+        default=None,
         # argparse %-formats help strings: names such as "topk-1%" need escaping
         help=(
             f"comma list of: {', '.join(ALGORITHMS)}; or groups: {', '.join(ALGORITHM_GROUPS)} "
-            "(each group = allreduce-fp32 + its rows)"
+            f"(each group = allreduce-fp32 + its rows). Default: train: {','.join(DEFAULT_ALGORITHMS)}; "
+            f"network: {','.join(NETWORK_ROWS)}"
         ).replace("%", "%%"),
     )
     b.add_argument(
@@ -157,6 +160,20 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="timed runs per measurement (overhead: 11; compression-cost: 7)",
     )
+    n = b.add_argument_group(
+        "network suite (also uses --algorithms, --steps, --hidden, --dataset, --lr, --seed)"
+    )
+    n.add_argument("--processes", default="2", help="comma list of process counts (one namespace each)")
+    n.add_argument(
+        "--rates", default="1000", help="comma list of link rates in Mbit/s (tc tbf, each direction)"
+    )
+    n.add_argument(
+        "--loopback",
+        action="store_true",
+        help="no namespaces: processes on 127.0.0.1, unshaped (the default when not root)",
+    )
+    n.add_argument("--no-calibrate", action="store_true", help="skip the collectives micro-benchmark")
+    n.add_argument("--timeout", type=float, default=1800.0, help="seconds per (processes, rate) run")
     c = b.add_argument_group(
         "compression-cost suite (also uses --sizes, --repeats, --replicas, --network, --nodes, --seed)"
     )
@@ -273,6 +290,40 @@ def _compression_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def _network(args: argparse.Namespace) -> int:
+    from optaxdist.bench.netns import have_netns
+    from optaxdist.bench.network import NetworkConfig, run_network_suite
+    from optaxdist.bench.run import parse_hidden
+
+    loopback = args.loopback
+    if not loopback and (reason := have_netns()):
+        print(f"optaxdist bench: {reason}: running on the loopback, unshaped", file=sys.stderr)
+        loopback = True
+    try:
+        cfg = NetworkConfig(
+            processes=tuple(int(p) for p in _comma_list(args.processes)),
+            rates_mbit=tuple(float(r) for r in _comma_list(args.rates)),
+            rows=expand_names(args.algorithms) if args.algorithms else NETWORK_ROWS,
+            steps=args.steps or 40,
+            lr=args.lr,
+            momentum=args.momentum,
+            hidden=parse_hidden(args.hidden) if args.hidden != "128,128" else (1024, 1024),
+            dataset=args.dataset if args.dataset != "digits" else "mnist",
+            seed=args.seed,
+            calibrate=not args.no_calibrate,
+            loopback=loopback,
+            timeout_s=args.timeout,
+            out=args.out or "",
+            plots=not args.no_plots,
+            progress=not args.quiet,
+        )
+    except ValueError as e:
+        print(f"optaxdist bench: error: {e}", file=sys.stderr)
+        return 2
+    run_network_suite(cfg)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``optaxdist`` console script and of ``python -m optaxdist.bench``.
 
@@ -292,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.suite == "compression-cost":
         return _compression_cost(args)
+
+    if args.suite == "network":
+        return _network(args)
 
     if args.suite == "overhead":
         try:
@@ -334,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             replicas=args.replicas,
             shards=args.shards,
             batch_size=args.batch_size,
-            steps=args.steps,
+            steps=args.steps or 500,
             lr=args.lr,
             momentum=args.momentum,
             optimizer=args.optimizer,
@@ -343,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outer_momentum=args.outer_momentum,
             hidden=parse_hidden(args.hidden),
             param_dtype=args.param_dtype,
-            algorithms=expand_names(args.algorithms),
+            algorithms=expand_names(args.algorithms or ",".join(DEFAULT_ALGORITHMS)),
             network=args.network,
             nodes=args.nodes,
             log_every=args.log_every,

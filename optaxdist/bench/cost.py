@@ -22,8 +22,10 @@ node the model uses the intra-node link (``nvlink``), with more than one the net
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 from optaxdist.accounting import Kind
 
@@ -132,7 +134,7 @@ def comm_time_per_step(
     by_kind: Mapping[Kind, tuple[int, int]],
     steps: int,
     n: int,
-    network: str | Network,
+    network: str | Network | Mapping[str, Network],
     *,
     nodes: int | None = None,
 ) -> float:
@@ -140,7 +142,8 @@ def comm_time_per_step(
 
     Sum over kinds of (events per step) × ``collective_time(kind, bytes per event, members, link)``.
     Without ``nodes`` every kind runs over all ``n`` replicas on ``network``; with ``nodes`` the
-    group and link come from ``group_and_link``.
+    group and link come from ``group_and_link``. ``network`` may also map each collective
+    (``"all_reduce"``, ...) to its own link (``fit_links``); ``nodes`` is then ignored.
     """
     if steps < 1:
         raise ValueError(f"steps={steps!r} must be positive")
@@ -148,7 +151,10 @@ def comm_time_per_step(
     for kind, (events, nbytes) in by_kind.items():
         if not events:
             continue
-        members, link = (n, network) if nodes is None else group_and_link(kind, n, nodes, network)
+        if isinstance(network, Mapping):  # one link per collective, e.g. fitted per kind
+            members, link = n, network[collective_of(kind)]
+        else:
+            members, link = (n, network) if nodes is None else group_and_link(kind, n, nodes, network)
         total += events / steps * collective_time(kind, nbytes / events, members, link)
     return total
 
@@ -163,3 +169,26 @@ def split_bytes(by_kind: Mapping[Kind, tuple[int, int]], nodes: int) -> tuple[in
         else:
             inter += nbytes
     return intra, inter
+
+
+def fit_links(samples: Mapping[str, Sequence[tuple[float, float]]], n: int) -> dict[str, Network]:
+    """Latency and bandwidth per collective, fitted to measured ``(payload bytes, seconds)`` samples
+    of each collective among ``n`` by least squares on ``seconds = steps·α + wire bytes / B``.
+
+    Collectives without samples get the all-reduce's link. Returns ``{collective: Network}`` for
+    ``comm_time_per_step``.
+    """
+    links: dict[str, Network] = {}
+    for collective, points in samples.items():
+        if len(points) < 2:
+            raise ValueError(f"{collective}: a fit needs at least 2 samples, got {len(points)}")
+        shape = _MODELS[collective_of(collective)]
+        wire = np.asarray([wire_bytes(collective, s, n) for s, _ in points])
+        seconds = np.asarray([t for _, t in points])
+        per_byte, fixed = np.polyfit(wire, seconds, 1)
+        links[collective] = Network(
+            f"fitted {collective}", 1.0 / max(per_byte, 1e-15), max(fixed, 0.0) / shape.steps(n)
+        )
+    if "all_reduce" not in links:
+        raise ValueError("fit_links needs all_reduce samples (the default for the other collectives)")
+    return {c: links.get(c, links["all_reduce"]) for c in _MODELS}

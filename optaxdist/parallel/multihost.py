@@ -10,6 +10,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optaxdist._compat import use_gloo_interface
+
 
 def initialize_multihost(
     coordinator_address: str,
@@ -17,13 +19,20 @@ def initialize_multihost(
     process_id: int,
     *,
     cpu_collectives: str | None = "gloo",
+    gloo_interface: str | None = None,
     **kwargs: Any,
 ) -> None:
     """``jax.distributed.initialize`` with CPU collectives enabled (gloo), for CPU clusters and tests.
 
     On GPU/TPU clusters the CPU setting is harmless; pass ``cpu_collectives=None`` to leave it.
-    Must run before any other JAX call in the process.
+    ``gloo_interface`` names the network interface gloo listens on (``"eth0"``); by default gloo
+    uses the address the host's name resolves to, which is the loopback where ``/etc/hosts`` says
+    so (containers, network namespaces). Must run before any other JAX call in the process.
     """
+    if gloo_interface is not None:
+        if cpu_collectives != "gloo":
+            raise ValueError(f"gloo_interface={gloo_interface!r} needs cpu_collectives='gloo'")
+        use_gloo_interface(gloo_interface)
     if cpu_collectives is not None:
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(

@@ -1,0 +1,220 @@
+"""One process of the network suite: ``python -m optaxdist.bench.network_worker CONFIG PROCESS_ID``.
+
+Started by ``optaxdist.bench.network`` inside its own network namespace, one per process; joins the
+others with ``jax.distributed`` (CPU collectives over gloo), one CPU device per process, and writes
+``process<ID>.json`` into the config's ``out`` directory:
+
+* ``calibration``: seconds per collective (all-reduce, all-gather, permute) for a range of sizes;
+* per algorithm row: compute-only seconds per step (the same step on this process alone), then
+  seconds, loss, and this process's interface byte counters for each of the timed steps on the
+  mesh of all processes, and the ledger's totals over those steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _interface_bytes() -> tuple[int, int]:
+    stats = "/sys/class/net/eth0/statistics/"
+    if not os.path.exists(stats):  # a loopback run (no namespaces): the shared loopback
+        stats = "/sys/class/net/lo/statistics/"
+    with open(stats + "tx_bytes") as tx, open(stats + "rx_bytes") as rx:
+        return int(tx.read()), int(rx.read())
+
+
+def _mine(tree: Any) -> Any:
+    """This process's row of a stacked global array (one device per process)."""
+    import jax
+
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
+
+
+def _ledger(state: Any) -> dict[str, dict[str, Any]]:
+    import optaxdist
+
+    return {
+        str(k): {
+            "kind": [k.collective, k.payload, k.label, k.scope],
+            "collectives": t.collectives,
+            "bytes": t.bytes,
+        }
+        for k, t in optaxdist.comm_stats(state).by_kind.items()
+    }
+
+
+def calibrate(cfg: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """Median seconds of one collective of each kind and payload size (float32 buffers)."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import optaxdist
+
+    comm, n = optaxdist.AxisComm(mesh.axis_names), mesh.size
+    ring = [(i, (i + 1) % n) for i in range(n)]
+    ops = {
+        "all_reduce": lambda x: comm.psum(x),
+        "all_gather": lambda x: comm.all_gather(x).reshape(-1)[: x.size],
+        "permute": lambda x: comm.permute(x, ring),
+    }
+    out: dict[str, Any] = {}
+    for kind, op in ops.items():
+        spec = P(mesh.axis_names)
+        fn = jax.jit(jax.shard_map(lambda x, op=op: op(x[0])[None], mesh=mesh, in_specs=spec, out_specs=spec))
+        rows = []
+        for size in cfg["calibration_bytes"][kind]:
+            local = np.ones((1, max(size // 4, 1)), np.float32)
+            x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(mesh.axis_names)), local)
+            for _ in range(2):
+                jax.block_until_ready(fn(x))
+            times = []
+            for _ in range(cfg["calibration_repeats"]):
+                t = time.perf_counter()
+                jax.block_until_ready(fn(x))
+                times.append(time.perf_counter() - t)
+            rows.append([local.nbytes, statistics.median(times)])
+        out[kind] = rows
+    return out
+
+
+def run_row(cfg: dict[str, Any], name: str, data: Any, hierarchy: Any, alone: Any) -> dict[str, Any]:
+    """Compute-only timing on this process alone, then the timed steps on the whole mesh."""
+    import jax
+
+    import optaxdist
+    from optaxdist.bench.algorithms import ALGORITHMS, BenchContext, local_optimizer
+    from optaxdist.bench.models import MLP, cross_entropy, init_params
+    from optaxdist.parallel.multihost import global_replica_array
+
+    model = MLP(tuple(cfg["hidden"]), data.num_classes)
+    params0 = init_params(model, data.x_train.shape[1], seed=cfg["seed"])
+    algo = ALGORITHMS[name]
+    batch = cfg["batch_size"]
+
+    def build(h):
+        ctx = BenchContext(h.num_nodes * h.local_size, h, cfg["steps"], cfg["lr"])
+        tx = algo.make(h.world, local_optimizer(cfg["lr"], cfg["momentum"]), ctx)
+
+        def replica_step(params, opt_state, x, y, key):
+            key, draw = jax.random.split(key)
+            idx = jax.random.randint(draw, (batch,), 0, x.shape[0])
+            loss, grads = jax.value_and_grad(lambda p: cross_entropy(model, p, x[idx], y[idx]))(params)
+            updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+            return optaxdist.apply_updates(params, updates, opt_state), opt_state, key, loss
+
+        return tx, replica_step
+
+    def inputs(h, tx, key_seed):
+        rows = {
+            "params": jax.tree.map(lambda a: np.asarray(a)[None], params0),
+            "x": data.x_train[None],
+            "y": data.y_train[None],
+            "key": np.asarray(jax.random.key_data(jax.random.key(key_seed)))[None],
+        }
+        rows["state"] = jax.tree.map(lambda a: np.asarray(a)[None], tx.init(params0))
+        return global_replica_array(rows, h.mesh)
+
+    def timed(step, args, count):
+        params, state, x, y, key = args
+        times, losses = [], []
+        for _ in range(count):
+            t = time.perf_counter()
+            params, state, key, loss = step(params, state, x, y, key)
+            loss = float(_mine(loss).reshape(-1)[0])  # waits for the step
+            times.append(time.perf_counter() - t)
+            losses.append(loss)
+        return (params, state, x, y, key), times, losses
+
+    # compute-only: the same step, this process alone (a group of one sends nothing)
+    tx1, step1 = build(alone)
+    g = inputs(alone, tx1, cfg["seed"] + 1)
+    solo = optaxdist.on_mesh(_with_raw_key(step1), alone.mesh, check_config=False)
+    args = (g["params"], g["state"], g["x"], g["y"], g["key"])
+    args, _, _ = timed(solo, args, cfg["warmup"])
+    _, compute_times, _ = timed(solo, args, cfg["compute_steps"])
+
+    tx, step = build(hierarchy)
+    g = inputs(hierarchy, tx, cfg["seed"] + 1 + jax.process_index())
+    fn = optaxdist.on_mesh(_with_raw_key(step), hierarchy.mesh)
+    args = (g["params"], g["state"], g["x"], g["y"], g["key"])
+    t = time.perf_counter()
+    args, _, _ = timed(fn, args, cfg["warmup"])
+    warmup_s = time.perf_counter() - t
+    ledger0 = _ledger(args[1])
+    counters0 = _interface_bytes()
+    args, times, losses = timed(fn, args, cfg["steps"])
+    counters1 = _interface_bytes()
+    ledger1 = _ledger(args[1])
+    for k, totals in ledger1.items():
+        totals["collectives"] -= ledger0[k]["collectives"]
+        totals["bytes"] -= ledger0[k]["bytes"]
+    return {
+        "compute_s": compute_times,
+        "warmup_s": warmup_s,
+        "step_s": times,
+        "loss": losses,
+        "tx_bytes": counters1[0] - counters0[0],
+        "rx_bytes": counters1[1] - counters0[1],
+        "ledger": ledger1,
+    }
+
+
+def _with_raw_key(step):
+    """Keys travel as raw uint32 data (global arrays of typed keys are awkward to build)."""
+    import jax
+
+    def wrapped(params, state, x, y, key):
+        params, state, new_key, loss = step(params, state, x, y, jax.random.wrap_key_data(key))
+        return params, state, jax.random.key_data(new_key), loss
+
+    return wrapped
+
+
+def main(config_path: str, process_id: int) -> None:
+    with open(config_path) as f:
+        cfg = json.load(f)
+    import optaxdist
+
+    interface = "eth0" if os.path.exists("/sys/class/net/eth0") and not cfg["loopback"] else None
+    optaxdist.initialize_multihost(cfg["coordinator"], cfg["processes"], process_id, gloo_interface=interface)
+    import jax
+
+    from optaxdist.bench.data import load_dataset, make_shards
+
+    n = cfg["processes"]
+    hierarchy = optaxdist.mesh_hierarchy(n, 1)  # each process is a node of one device
+    alone = optaxdist.mesh_hierarchy(1, 1, devices=jax.local_devices()[:1])
+    data = load_dataset(cfg["dataset"], seed=cfg["seed"])
+    shard = make_shards(data.y_train, n, "iid", seed=cfg["seed"])[process_id]
+    data = data._replace(x_train=data.x_train[shard], y_train=data.y_train[shard])
+    record: dict[str, Any] = {"process": process_id, "rows": {}}
+    if cfg["calibration_bytes"]:
+        record["calibration"] = calibrate(cfg, hierarchy.mesh)
+    for name in cfg["rows"]:
+        record["rows"][name] = run_row(cfg, name, data, hierarchy, alone)
+        if process_id == 0:
+            r = record["rows"][name]
+            step_ms = statistics.median(r["step_s"]) * 1e3
+            compute_ms = statistics.median(r["compute_s"]) * 1e3
+            mb = r["tx_bytes"] / len(r["step_s"]) / 1e6
+            print(
+                f"  {name:<18} step {step_ms:8.1f} ms  compute {compute_ms:7.1f} ms  "
+                f"sent {mb:8.3f} MB/step  loss {r['loss'][-1]:.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    with open(os.path.join(cfg["out"], f"process{process_id}.json"), "w") as f:
+        json.dump(record, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
