@@ -14,29 +14,59 @@ ring implementation puts on the wire, ``2(n−1)/n·S``, is the business of the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+if TYPE_CHECKING:
+    from optaxdist.comm.base import Communicator
+
 PyTree = Any
 
 
-def payload_bytes(tree: PyTree, dtype: Any = None) -> int:
-    """Static size in bytes of ``tree`` (arrays or ShapeDtypeStructs) sent as ``dtype``.
+class Payload(int):
+    """The bytes of one event, an ``int``, that also know the buffers they are sent as:
+    ``buffers = ((elements, itemsize), ...)``, one per leaf. A communicator that pads each buffer
+    (``NodeComm``) counts its padding from them (``Communicator.by_level``).
+
+    ``Payload(b) + Payload(c)`` lists the buffers of both; with a plain ``int`` it is an ``int``.
+    Comparison, hashing and printing are the ``int``'s.
+    """
+
+    buffers: tuple[tuple[int, int], ...]
+
+    def __new__(cls, buffers: Iterable[tuple[int, int]]):
+        buffers = tuple((int(n), int(b)) for n, b in buffers)
+        self = super().__new__(cls, sum(n * b for n, b in buffers))
+        self.buffers = buffers
+        return self
+
+    def __add__(self, other: Any) -> Any:
+        if isinstance(other, Payload):
+            return Payload(self.buffers + other.buffers)
+        return int(self) + other
+
+    def __reduce__(self):
+        return Payload, (self.buffers,)
+
+
+def payload_bytes(tree: PyTree, dtype: Any = None) -> Payload:
+    """Static size in bytes of ``tree`` (arrays or ShapeDtypeStructs) sent as ``dtype``: a
+    ``Payload``, whose ``buffers`` are the leaves' ``(elements, itemsize)``.
 
     ``dtype`` replaces the dtype of floating-point leaves (the communication dtype); integer and
     boolean leaves keep their own.
     """
-    total = 0
+    buffers = []
     for leaf in jax.tree.leaves(tree):
         dt = jnp.dtype(leaf.dtype)
         if dtype is not None and jnp.issubdtype(dt, jnp.floating):
             dt = jnp.dtype(dtype)
-        total += int(np.prod(leaf.shape, dtype=np.int64)) * dt.itemsize
-    return total
+        buffers.append((int(np.prod(leaf.shape, dtype=np.int64)), dt.itemsize))
+    return Payload(buffers)
 
 
 def dtype_label(tree: PyTree, dtype: Any = None) -> str:
@@ -89,6 +119,21 @@ def _kind(collective: str, payload: str, label: str, scope: str) -> Kind:
     return Kind(collective, payload, label=label, scope=scope)
 
 
+class LevelEvent(NamedTuple):
+    """One collective a member runs at one level of a group (``Communicator.by_level``).
+
+    Attributes:
+      scope: the level: ``"world"`` (the group as one level), ``"local"`` (inside a node) or
+        ``"cross"`` (between nodes), as in ``Kind.scope``.
+      collective: one of ``COLLECTIVES``.
+      payload: the bytes the member hands to it (the ledger's payload convention).
+    """
+
+    scope: str
+    collective: str
+    payload: int
+
+
 def kind_name(
     collective: str, tree: PyTree, dtype: Any = None, *, label: str | None = None, scope: str = "world"
 ) -> Kind:
@@ -101,7 +146,8 @@ class CommLedger:
     """Per-kind event counters (dynamic, int32) with the static payload of one event of each kind.
 
     Create it in ``init`` with ``CommLedger.create({Kind("all_reduce", "float32"): nbytes, ...})``
-    and call ``record(kind)`` each time the transform calls the communicator with that payload.
+    (``nbytes``: best a ``payload_bytes``, which also lists the leaves sent) and call
+    ``record(kind)`` each time the transform calls the communicator with that payload.
     """
 
     __slots__ = ("counts", "kinds", "payloads")
@@ -120,7 +166,7 @@ class CommLedger:
         return cls(
             tuple(jnp.zeros((), jnp.int32) for _ in kinds),
             kinds,
-            tuple(int(payloads[k]) for k in kinds),
+            tuple(p if isinstance(p, Payload) else int(p) for p in (payloads[k] for k in kinds)),
         )
 
     def record(self, kind: Kind, times: int | jax.Array = 1) -> CommLedger:
@@ -150,7 +196,10 @@ class KindTotals(NamedTuple):
 
 
 class CommStats(NamedTuple):
-    """What one replica has sent: totals per kind of collective, and overall."""
+    """What one replica has sent: totals per kind of collective, and overall.
+
+    The keys of ``by_kind`` are ``Kind`` strings (they carry their parts).
+    """
 
     by_kind: dict[str, KindTotals]
 
@@ -162,8 +211,19 @@ class CommStats(NamedTuple):
     def bytes(self) -> int:
         return sum(t.bytes for t in self.by_kind.values())
 
+    @property
+    def by_scope(self) -> dict[str, KindTotals]:
+        """Totals per group of the kinds (``Kind.scope``): ``"world"``, ``"local"`` (inside a node),
+        ``"cross"`` (between nodes). With ``comm_stats(..., levels=hierarchy.world)``, what one
+        replica sent across nodes is ``by_scope["cross"]``."""
+        out: dict[str, KindTotals] = {}
+        for kind, t in self.by_kind.items():
+            c, b = out.get(kind.scope, (0, 0))
+            out[kind.scope] = KindTotals(c + t.collectives, b + t.bytes)
+        return out
 
-def comm_stats(state: PyTree, *, replica: int | None = None) -> CommStats:
+
+def comm_stats(state: PyTree, *, replica: int | None = None, levels: Communicator | None = None) -> CommStats:
     """Totals of collectives and payload bytes sent by one replica, read from any optimizer state.
 
     Args:
@@ -171,10 +231,20 @@ def comm_stats(state: PyTree, *, replica: int | None = None) -> CommStats:
         per-replica states as returned by ``simulate``/``on_mesh`` (leading replica axes).
       replica: for stacked states, which replica to read. By default the counters must agree on all
         replicas (they do for every optaxdist transform) and that common value is returned.
+      levels: the communicator the transforms' world-scoped events ran on (their ``comm=``, e.g.
+        ``hierarchy.world``). Each such event is counted as the collectives that communicator runs
+        for it at each level (``Communicator.by_level``): for ``NodeComm`` an all-reduce of ``S``
+        bytes becomes ``local:<label>/reduce_scatter`` of ``G·B``, ``cross:<label>`` (an
+        all-reduce) of ``B`` and ``local:<label>/all_gather`` of ``B``, ``B = Σ ⌈n/G⌉·itemsize``
+        over the leaves (each padded to a multiple of the ``G`` devices of a node). Events of
+        other scopes are at their level already, and permutations stay as recorded (their split
+        depends on the permutation, which the ledger does not keep: ``by_level`` gives it). A
+        payload given as a plain ``int`` counts as one buffer (of the dtype its kind names, or of
+        bytes); ``payload_bytes`` lists the leaves.
 
     Returns:
       ``CommStats`` with ``by_kind[kind] = (collectives, bytes)`` and ``.collectives`` / ``.bytes``
-      summed over kinds. Python integers: exact for any run length.
+      summed over kinds (``.by_scope``: per group). Python integers: exact for any run length.
     """
     totals: dict[str, list[int]] = {}
     ledgers = [
@@ -185,10 +255,32 @@ def comm_stats(state: PyTree, *, replica: int | None = None) -> CommStats:
     for ledger in ledgers:
         for kind, count, payload in zip(ledger.kinds, ledger.counts, ledger.payloads):
             n = _one_replica(_host_value(count), kind, replica)
-            acc = totals.setdefault(kind, [0, 0])
-            acc[0] += n
-            acc[1] += n * payload
+            for level_kind, level_payload in _at_levels(kind, payload, levels):
+                acc = totals.setdefault(level_kind, [0, 0])
+                acc[0] += n
+                acc[1] += n * level_payload
     return CommStats({k: KindTotals(c, b) for k, (c, b) in totals.items()})
+
+
+def _at_levels(kind: Kind, payload: int, levels: Communicator | None) -> list[tuple[Kind, int]]:
+    """One event of ``kind`` as the kinds and payloads of the collectives ``levels`` runs for it."""
+    if levels is None or kind.scope != "world" or kind.collective == "permute":
+        return [(kind, payload)]
+    out = []
+    for e in levels.by_level(kind.collective, _buffers(kind, payload)):
+        label = kind.label if e.collective == kind.collective else f"{kind.label}/{e.collective}"
+        out.append((Kind(e.collective, kind.payload, label=label, scope=e.scope), e.payload))
+    return out
+
+
+def _buffers(kind: Kind, payload: int) -> tuple[tuple[int, int], ...]:
+    if isinstance(payload, Payload):
+        return payload.buffers
+    try:
+        itemsize = jnp.dtype(kind.payload).itemsize
+    except TypeError:  # the kind names no dtype ("config digest")
+        itemsize = 1
+    return ((payload // itemsize, itemsize),)
 
 
 def _host_value(x: Any) -> np.ndarray:

@@ -57,6 +57,19 @@ def test_allreduce_sgd_matches_numpy_and_accounting(harness):
     # docstring formula: one all-reduce per step of sum(numel) elements of the gradient dtype
     stats = od.comm_stats(state)
     assert stats.by_kind == {"all_reduce[float32]": od.KindTotals(STEPS, STEPS * n_param_elements() * 4)}
+    levels = od.comm_stats(state, levels=harness.comm)
+    if harness.name != "node":
+        assert levels == stats  # one level
+        return
+    # local reduce-scatter -> cross-node all-reduce of 1/G -> local all-gather, each leaf padded
+    # to a multiple of the G devices of a node
+    G = harness.hierarchy.local_size
+    block = 4 * sum(-(-v.size // G) for v in init_params().values())
+    assert levels.by_kind == {
+        "local:all_reduce/reduce_scatter[float32]": od.KindTotals(STEPS, STEPS * G * block),
+        "cross:all_reduce[float32]": od.KindTotals(STEPS, STEPS * block),
+        "local:all_reduce/all_gather[float32]": od.KindTotals(STEPS, STEPS * block),
+    }
 
 
 def test_same_trajectory_on_every_harness(harness):

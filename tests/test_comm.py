@@ -1,11 +1,18 @@
 """The communicator's collectives on every harness, hierarchies, and its clear errors."""
 
+import math
+import re
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optaxdist as od
+from tests.problems import init_params
+from tests.test_allreduce import LR, run_trajectory
 
 
 def test_collectives(harness):
@@ -250,3 +257,163 @@ def test_node_hierarchy_on_one_node_and_its_errors():
         jax.jit(outside)(x)
     with pytest.raises(TypeError, match="node_hierarchy"):
         od.on_node(lambda v: v, od.mesh_hierarchy(2, 4))
+
+
+def _node_plans(nodes: int, local_size: int) -> od.NodeComm:
+    """A NodeComm for its static plans only (``by_level``): no MPI, nothing is exchanged."""
+    return od.NodeComm(od.CrossComm(types.SimpleNamespace(size=nodes), "local", local_size))
+
+
+def test_node_bytes_per_level():
+    """What each member of 2 nodes × 4 hands to each level, against the composition by hand."""
+    world, S = _node_plans(2, 4), 4000
+    f32 = [(1000, 4)]  # one leaf of 1,000 float32: 250 elements per device after the scatter
+    composed = (
+        ("local", "reduce_scatter", S),
+        ("cross", "all_reduce", S // 4),
+        ("local", "all_gather", S // 4),
+    )
+    assert world.by_level("all_reduce", f32) == composed
+    assert world.by_level("broadcast", f32) == composed
+    # each leaf is padded to a multiple of 4: 1,001 float32 -> 251 per device, 1 bfloat16 -> 1
+    block = 251 * 4 + 1 * 2
+    assert world.by_level("all_reduce", [(1001, 4), (1, 2)]) == (
+        ("local", "reduce_scatter", 4 * block),
+        ("cross", "all_reduce", block),
+        ("local", "all_gather", block),
+    )
+    assert world.by_level("all_gather", f32) == (("cross", "all_gather", S), ("local", "all_gather", 2 * S))
+    assert world.by_level("reduce_scatter", f32) == (
+        ("local", "reduce_scatter", S),
+        ("cross", "reduce_scatter", S // 4),
+    )
+    cross, local = ("cross", "permute", S), ("local", "permute", S)
+    # ring: one round; inside each node i -> i+1, and local index 3 sends across first (3 -> 4 is
+    # 3 -> node 1's device 3 -> its device 0; 7 -> 0 alike)
+    ring = [(i, (i + 1) % 8) for i in range(8)]
+    want = [(local,)] * 3 + [(cross, local)] + [(local,)] * 3 + [(cross, local)]
+    assert [world.by_level("permute", f32, perm=ring, member=m) for m in range(8)] == want
+    # 0->6, 1->7 and 6->3, 7->0 cross (then move i -> k inside the node), 3->1 stays, 2, 4, 5 keep
+    # theirs. Round 1: crossings at local indices 0 and 1 (nodes 0 -> 1), local stage 0->2, 1->3,
+    # 3->1. Round 2 (1->3 took local index 3 from 6's hop 2->3): crossings at 2 and 3 (1 -> 0),
+    # local stage 2->3, 3->0. A local stage sends from its local indices on every node, with a
+    # message to forward or not (members 0, 1 and 7 in round 1, 6 and 7 in round 2 send what
+    # nobody keeps).
+    perm = [(0, 6), (1, 7), (2, 2), (3, 1), (4, 4), (5, 5), (6, 3), (7, 0)]
+    want = [
+        (cross, local),  # 0, 1: their messages across, then a local send nobody keeps
+        (cross, local),
+        (local,),  # 2: forwards 6's message to 3 in round 2
+        (local, local),  # 3: its own message to 1, then forwards 7's to 0
+        (local,),  # 4, 5: forward 0's and 1's messages
+        (local,),
+        (cross, local),  # 6: its message across in round 2, and that round's local send
+        (local, cross, local),  # 7: local index 3 sends in both local stages
+    ]
+    assert [world.by_level("permute", f32, perm=perm, member=m) for m in range(8)] == want
+
+
+def test_node_bytes_per_level_are_what_the_program_hands_over():
+    """One node of 8 devices: the per-level ledger of an allreduce step equals what its lowered
+    program hands to the local reduce-scatters and all-gathers and to the cross-node callbacks
+    (results per device: a reduce-scatter's operand is ``G`` times its result, an all-gather's
+    operand ``1/G`` of it, a cross-node all-reduce's operand is its result)."""
+    h = od.node_hierarchy()
+    G, tx = h.local_size, od.allreduce(comm=h.world)
+    grads = {"w": np.ones((G, 3, 2), np.float32), "b": np.ones((G, 2), np.float32)}
+    state = od.on_node(tx.init, h)(grads)
+    step = od.on_node(lambda g, s: tx.update(g, s), h, check_config=False)
+    handed = {}
+    for line in step.lower(grads, state).as_text(dialect="hlo").splitlines():
+        op = re.search(r"= (\w+)\[([\d,]*)\]\S* (reduce-scatter|all-gather|custom-call)\(", line)
+        if op is None or (op[3] == "custom-call" and "python_cpu_callback" not in line):
+            continue
+        result = math.prod(int(d) for d in op[2].split(",") if d) * {"f32": 4}[op[1]]
+        level, per_result = {
+            "reduce-scatter": ("local:reduce_scatter", G),
+            "all-gather": ("local:all_gather", 1 / G),
+        }.get(op[3], ("cross:all_reduce", 1))
+        handed[level] = handed.get(level, 0) + result * per_result
+    stats = od.comm_stats(step(grads, state)[1], levels=h.world).by_kind
+    assert handed == {
+        "local:reduce_scatter": stats["local:all_reduce/reduce_scatter[float32]"].bytes,
+        "cross:all_reduce": stats["cross:all_reduce[float32]"].bytes,
+        "local:all_gather": stats["local:all_reduce/all_gather[float32]"].bytes,
+    }
+
+
+def test_hierarchical_local_sgd_bytes_per_level(harness):
+    """One process per node: the world averages of a two-level local SGD split into node-local and
+    cross-node bytes as ``NodeComm`` sends them; the node averages stay local. Elsewhere a no-op
+    (the split is checked above, the transform in test_local_sgd)."""
+    if harness.name != "node":
+        return
+    h, steps = harness.hierarchy, 8
+    params, state = run_trajectory(
+        harness,
+        lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=4, local_comm=h.local, local_period=2),
+        steps=steps,
+    )
+    for x in params.values():  # step 8 averages over the world (optax.apply_updates: up to rounding)
+        np.testing.assert_allclose(x, np.broadcast_to(x[0], x.shape), atol=1e-6)
+    G, world_syncs, node_syncs = h.local_size, steps // 4, steps // 4
+    block = 4 * sum(-(-v.size // G) for v in init_params().values())  # leaves padded to G
+    check = 4 * 2  # the start check: 2 uint32 fingerprints (one per leaf) and an int32 vote
+    assert od.comm_stats(state, levels=h.world).by_kind == {
+        "local:param_average/reduce_scatter[float32]": od.KindTotals(world_syncs, world_syncs * G * block),
+        "cross:param_average[float32]": od.KindTotals(world_syncs, world_syncs * block),
+        "local:param_average/all_gather[float32]": od.KindTotals(world_syncs, world_syncs * block),
+        "local:param_average[float32]": od.KindTotals(node_syncs, node_syncs * 4 * 8),
+        "local:broadcast/reduce_scatter[start check]": od.KindTotals(1, G * check),
+        "cross:broadcast/all_reduce[start check]": od.KindTotals(1, check),
+        "local:broadcast/all_gather[start check]": od.KindTotals(1, check),
+    }
+
+
+def test_one_level_groups_and_by_level_arguments():
+    comm = od.AxisComm("replica")
+    assert comm.by_level("all_reduce", [(3, 4), (2, 2)]) == (("world", "all_reduce", 16),)
+    assert od.SoloComm().by_level("permute", [(3, 4)], perm=[(0, 0)], member=0) == ()
+    world = _node_plans(2, 4)
+    with pytest.raises(ValueError, match="collective="):
+        world.by_level("gather", [(3, 4)])
+    with pytest.raises(ValueError, match="perm= and member="):
+        world.by_level("permute", [(3, 4)], perm=[(0, 1)])
+    with pytest.raises(ValueError, match="perm= and member="):
+        world.by_level("all_reduce", [(3, 4)], perm=[(0, 1)], member=0)
+    with pytest.raises(ValueError, match="member=8 is out of range"):
+        world.by_level("permute", [(3, 4)], perm=[(0, 1)], member=8)
+
+
+def test_comm_stats_per_level():
+    """A ledger read per level: world events split by the NodeComm, the others as recorded."""
+    from optaxdist.accounting import CommLedger, Kind, payload_bytes
+
+    grads = {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32), "b": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    average, gossip = Kind("all_reduce", "float32", label="param_average"), Kind("permute", "params")
+    node_average = Kind("all_reduce", "float32", scope="local")
+    agree = Kind("all_reduce", "int32", label="agree")
+    ledger = CommLedger.create(
+        {average: payload_bytes(grads), gossip: payload_bytes(grads), node_average: 32, agree: 4}
+    )
+    for kind, times in ((average, 3), (gossip, 5), (node_average, 2), (agree, 1)):
+        ledger = ledger.record(kind, times)
+    stats = od.comm_stats(ledger, levels=_node_plans(2, 4))
+    block = 4 * (2 + 1)  # w: 6 elements -> 2 per device, b: 2 -> 1 (padded to multiples of 4)
+    assert stats.by_kind == {
+        "local:param_average/reduce_scatter[float32]": od.KindTotals(3, 3 * 4 * block),
+        "cross:param_average[float32]": od.KindTotals(3, 3 * block),
+        "local:param_average/all_gather[float32]": od.KindTotals(3, 3 * block),
+        "permute[params]": od.KindTotals(5, 5 * 32),
+        "local:all_reduce[float32]": od.KindTotals(2, 2 * 32),
+        "local:agree/reduce_scatter[int32]": od.KindTotals(1, 16),  # one int32, padded to 4
+        "cross:agree[int32]": od.KindTotals(1, 4),
+        "local:agree/all_gather[int32]": od.KindTotals(1, 4),
+    }
+    assert stats.by_scope == {
+        "local": od.KindTotals(3 + 3 + 2 + 1 + 1, 3 * 5 * block + 2 * 32 + 20),
+        "cross": od.KindTotals(4, 3 * block + 4),
+        "world": od.KindTotals(5, 5 * 32),
+    }
+    assert od.comm_stats(ledger, levels=od.AxisComm("replica")) == od.comm_stats(ledger)
+    assert od.comm_stats(ledger).by_scope["world"] == od.KindTotals(9, 3 * 32 + 5 * 32 + 4)

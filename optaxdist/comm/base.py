@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optaxdist.accounting import COLLECTIVES, LevelEvent
+
 PyTree = Any
 Permutation = Sequence[tuple[int, int]]
 
@@ -216,6 +218,54 @@ class Communicator(abc.ABC):
             raise ValueError(f"op={op!r}; allowed: 'any', 'all'")
         votes = self._psum(jnp.asarray(pred, jnp.bool_).astype(jnp.int32))
         return votes > 0 if op == "any" else votes == self.size
+
+    # ---- accounting ----------------------------------------------------------------------
+
+    def by_level(
+        self,
+        collective: str,
+        buffers: Sequence[tuple[int, int]],
+        *,
+        perm: Permutation | None = None,
+        member: int | None = None,
+    ) -> tuple[LevelEvent, ...]:
+        """What a member hands to the collectives of each level in one call of ``collective`` in
+        which every member sends ``buffers``.
+
+        A group of one level (this default) is its own level: one ``LevelEvent("world",
+        collective, S)``, ``S = Σ elements·itemsize``, and for a permutation only on a member that
+        sends to another. ``NodeComm`` returns the node-local and cross-node collectives it
+        composes the call of. ``optaxdist.comm_stats(state, levels=comm)`` reads every world-scoped
+        ledger event this way.
+
+        Args:
+          collective: one of ``optaxdist.accounting.COLLECTIVES``.
+          buffers: ``((elements, itemsize), ...)``, one per leaf as sent (``Payload.buffers``).
+          perm: for ``"permute"`` only, and required there: the permutation.
+          member: for ``"permute"`` only, and required there: whose sends (they differ by member).
+
+        Returns:
+          The member's level events, in the order they run (payloads in bytes).
+        """
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective={collective!r}; allowed: {COLLECTIVES}")
+        if (collective == "permute") != (perm is not None) or (perm is None) != (member is None):
+            raise ValueError("give perm= and member= for collective='permute', and only then")
+        if perm is not None:
+            perm = _check_permutation(perm, self.size)
+            if not 0 <= member < self.size:
+                raise ValueError(f"member={member} is out of range for a group of size {self.size}")
+        return self._by_level(collective, tuple((int(n), int(b)) for n, b in buffers), perm, member)
+
+    def _by_level(
+        self,
+        collective: str,
+        buffers: tuple[tuple[int, int], ...],
+        perm: tuple[tuple[int, int], ...] | None,
+        member: int | None,
+    ) -> tuple[LevelEvent, ...]:
+        sends = perm is None or any(s == member != d for s, d in perm)
+        return (LevelEvent("world", collective, sum(n * b for n, b in buffers)),) if sends else ()
 
 
 _SAME_WIDTH_INT = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from optaxdist._compat import all_gather_invariant, manual_axes, pcast_varying
+from optaxdist.accounting import LevelEvent
 from optaxdist.comm.axis import AxisComm
 from optaxdist.comm.base import Communicator
 from optaxdist.comm.cross import CrossComm
@@ -105,6 +106,46 @@ class NodeComm(Communicator):
                 got = self.local._permute(sent, hop.local)
                 out = jnp.where(jnp.asarray(hop.local_final)[me], got, out)
         return out
+
+    def _by_level(self, collective, buffers, perm, member):
+        """With ``N`` nodes of ``G`` devices, ``S = Σ n·b`` over the buffers (``n`` elements of
+        ``b`` bytes) and ``B = Σ ⌈n/G⌉·b`` (each buffer padded to a multiple of ``G``):
+
+        * all-reduce, broadcast (``_psum``): local reduce-scatter of ``G·B``, cross all-reduce of
+          ``B``, local all-gather of ``B``;
+        * all-gather: cross all-gather of ``S``, local all-gather of ``N·S``;
+        * reduce-scatter: local reduce-scatter of ``S``, cross reduce-scatter of ``S/G``;
+        * permutation, per round of ``_route``: a cross permute of ``S`` where ``member`` sends in
+          the cross stage, a local permute of ``S`` where its local index sends in the local stage
+          (the devices of that index on every node send, forwarding a message or not).
+        """
+        nodes, g = self.cross.size, self.local_size
+        total = sum(n * b for n, b in buffers)
+        if collective == "permute":
+            node, local = divmod(member, g)
+            out = []
+            for hop in _route(perm, nodes, g):
+                if any(n == node for n, _ in hop.cross[local]):
+                    out.append(LevelEvent("cross", "permute", total))
+                if any(i == local for i, _ in hop.local):
+                    out.append(LevelEvent("local", "permute", total))
+            return tuple(out)
+        if collective == "all_gather":
+            return (
+                LevelEvent("cross", "all_gather", total),
+                LevelEvent("local", "all_gather", nodes * total),
+            )
+        if collective == "reduce_scatter":
+            return (
+                LevelEvent("local", "reduce_scatter", total),
+                LevelEvent("cross", "reduce_scatter", total // g),
+            )
+        block = sum(-(-n // g) * b for n, b in buffers)
+        return (
+            LevelEvent("local", "reduce_scatter", g * block),
+            LevelEvent("cross", "all_reduce", block),
+            LevelEvent("local", "all_gather", block),
+        )
 
 
 class _Round(NamedTuple):

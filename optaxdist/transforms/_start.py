@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optaxdist._compat import manual_axes
-from optaxdist.accounting import CommLedger, Kind, per_replica
+from optaxdist.accounting import CommLedger, Kind, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
 
 CHECK_KIND = Kind("broadcast", "start check")
@@ -43,7 +43,9 @@ def fingerprint(tree: Any) -> jax.Array:
 
 def start_kinds(check_start: bool, params: Any) -> dict[Kind, int]:
     """Ledger kind of the one-time check: a broadcast of one uint32 per leaf, and a 4-byte vote."""
-    return {CHECK_KIND: 4 * len(jax.tree.leaves(params)) + 4} if check_start else {}
+    fingerprints = jax.ShapeDtypeStruct((len(jax.tree.leaves(params)),), jnp.uint32)
+    vote = jax.ShapeDtypeStruct((), jnp.int32)
+    return {CHECK_KIND: payload_bytes([fingerprints, vote])} if check_start else {}
 
 
 def _verdict(same) -> np.ndarray:

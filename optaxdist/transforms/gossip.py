@@ -280,7 +280,8 @@ def sgp(
     def kinds(params, inner_state):
         out = {PERMUTE_KIND: payload_bytes(params, wire)}
         out |= {WEIGHT_KIND: 4} if send_weight else {}
-        global_bytes = payload_bytes(params, wire) + 4  # the numerators and the float32 weight
+        # the numerators and the float32 weight
+        global_bytes = payload_bytes(params, wire) + payload_bytes(jax.ShapeDtypeStruct((), jnp.float32))
         return out | ({GLOBAL_KIND: global_bytes} if average_period else {})
 
     def init_sync(params) -> PushSumState:
