@@ -164,7 +164,7 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
             lambda comm, local, ctx, h=h: optaxdist.diloco(local, ctx.diloco_outer(), comm=comm, period=h),
             f"DiLoCo, H = {h}, outer Nesterov SGD (default lr 0.7, momentum 0.9)",
         )
-        for h in (50, 100)
+        for h in (10, 50, 100)
     ),
     Algorithm(
         "diloco-50-topk10%",

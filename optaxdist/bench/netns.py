@@ -126,6 +126,8 @@ class Lab:
             _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
+            # no IPv6 autoconfiguration chatter in the counters
+            _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1")
             self._shape(ns, "eth0")
             self._shape(self.switch, port)
 

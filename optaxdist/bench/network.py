@@ -36,7 +36,7 @@ from optaxdist.bench import cost
 from optaxdist.bench.algorithms import ALGORITHMS
 from optaxdist.bench.netns import Lab, have_netns
 
-NETWORK_ROWS = ("allreduce-fp32", "allreduce-bf16", "powersgd-r2", "topk-1%-ef", "local-sgd-8", "diloco-50")
+NETWORK_ROWS = ("allreduce-fp32", "allreduce-bf16", "powersgd-r2", "topk-1%-ef", "local-sgd-8", "diloco-10")
 NOMINAL_LATENCY_S = 50e-6
 CALIBRATED = ("all_reduce", "all_gather", "permute")
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from optaxdist._compat import all_gather_invariant, manual_axes, pcast_varying
-from optaxdist.comm.base import Communicator
+from optaxdist.comm.base import Communicator, sum_in_member_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ class AxisComm(Communicator):
             received = _from_bits(jax.lax.all_to_all(bits, self.axis_name, 0, 0), x.dtype)
         else:
             received = self._all_gather(rows)[:, self.index()]
-        return jnp.sum(received.astype(jnp.float32), axis=0).astype(x.dtype)
+        return sum_in_member_order(received)
 
     def _gather_sum(self, block):
         if not self._on_mesh():

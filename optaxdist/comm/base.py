@@ -50,6 +50,20 @@ def divides_first(leaf_dtype: Any, wire_dtype: Any) -> bool:
     return jnp.issubdtype(leaf_dtype, jnp.floating) and on_wire.name in NARROW_WIRE_DTYPES
 
 
+def sum_in_member_order(rows: jax.Array) -> jax.Array:
+    """``rows[0] + rows[1] + ...`` left to right, 16-bit floats added in float32 and rounded once.
+
+    A loop of adds, not ``jnp.sum(rows, axis=0)``: XLA:CPU reduces over a leading axis some 60×
+    slower (39 ms against 0.65 ms for 4 × 466k bfloat16 here), and the fixed order makes every
+    backend's result the same bits.
+    """
+    wide = jnp.float32 if jnp.issubdtype(rows.dtype, jnp.floating) and rows.dtype.itemsize < 4 else rows.dtype
+    total = jax.lax.fori_loop(
+        1, rows.shape[0], lambda i, acc: acc + rows[i].astype(wide), rows[0].astype(wide)
+    )
+    return total.astype(rows.dtype)
+
+
 def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
     if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
         return x

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from optaxdist._compat import manual_axes
-from optaxdist.comm.base import Communicator
+from optaxdist.comm.base import Communicator, sum_in_member_order
 
 
 def _mpi():
@@ -105,9 +105,7 @@ class MpiComm(Communicator):
         # all-to-all of the blocks moves exactly a reduce-scatter's bytes; then add what arrived
         blocks = x.reshape(self.size, -1)
         received = _from_wire(mpi4jax.alltoall(_to_wire(blocks), comm=self.comm), x.dtype)
-        if x.dtype in _HALF_TYPES:
-            return received.astype(jnp.float32).sum(0).astype(x.dtype)
-        return received.sum(0)
+        return sum_in_member_order(received)
 
     def broadcast(self, tree, root: int = 0):
         _, mpi4jax = _mpi()
