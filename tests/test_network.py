@@ -94,21 +94,24 @@ def test_fitted_links_recover_latency_and_bandwidth():
 @pytest.mark.slow
 @needs_netns
 def test_two_processes_send_what_the_ledger_says(tmp_path):
-    """bfloat16 and float32 all-reduce between two jax.distributed processes on a 1 Gbit/s link: the
-    interface counts the ring formula's bytes of the ledger (within TCP/IP headers, < 5 %)."""
+    """bfloat16 and float32 all-reduce between two processes on a 1 Gbit/s link, under
+    jax.distributed and under MPI: the interface counts the ring formula's bytes of the ledger
+    (within TCP/IP headers, < 5 %)."""
     out = subprocess.run(
-        [sys.executable, "-m", "optaxdist.bench", "--suite", "network", "--processes", "2", "--rates", "1000",
-         "--algorithms", "allreduce-fp32,allreduce-bf16", "--steps", "4", "--hidden", "256",
-         "--no-calibrate", "--out", str(tmp_path), "--quiet", "--timeout", "600"],
+        [sys.executable, "-m", "optaxdist.bench", "--suite", "network", "--net-nodes", "2", "--rates", "1000",
+         "--layouts", "distributed,mpi", "--algorithms", "allreduce-fp32,allreduce-bf16", "--steps", "4",
+         "--hidden", "256", "--no-calibrate", "--out", str(tmp_path), "--quiet", "--timeout", "600"],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["algorithm"]: r for r in json.loads((tmp_path / "network.json").read_text())["results"]}
-    fp32, bf16 = rows["allreduce-fp32"], rows["allreduce-bf16"]
-    assert bf16["ledger_bytes_per_step"] * 2 == fp32["ledger_bytes_per_step"]
-    for r in (fp32, bf16):
-        assert r["ring_wire_bytes_per_step"] == r["ledger_bytes_per_step"]  # n = 2: a ring sends S
-        assert 1.0 <= r["measured_over_ring"] < 1.05
+    results = json.loads((tmp_path / "network.json").read_text())["results"]
+    for layout in ("distributed", "mpi"):  # jax.distributed over gloo; MPICH over TCP
+        rows = {r["algorithm"]: r for r in results if r["layout"] == layout}
+        fp32, bf16 = rows["allreduce-fp32"], rows["allreduce-bf16"]
+        assert bf16["ledger_bytes_per_step"] * 2 == fp32["ledger_bytes_per_step"]
+        for r in (fp32, bf16):
+            assert r["ring_wire_bytes_per_step"] == r["ledger_bytes_per_step"]  # n = 2: a ring sends S
+            assert 1.0 <= r["measured_over_ring"] < 1.05
     assert _namespaces_of("odnet") == []
 
 

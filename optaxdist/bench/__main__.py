@@ -163,7 +163,14 @@ def _parser() -> argparse.ArgumentParser:
     n = b.add_argument_group(
         "network suite (also uses --algorithms, --steps, --hidden, --dataset, --lr, --seed)"
     )
-    n.add_argument("--processes", default="2", help="comma list of process counts (one namespace each)")
+    n.add_argument("--net-nodes", default="2", help="comma list of node counts (one network namespace each)")
+    n.add_argument(
+        "--layouts",
+        default="distributed",
+        help="comma list of: distributed (jax.distributed, one process per node, on_mesh), mpi (one "
+        "MPI rank per device, on_mpi; MPICH over TCP between the namespaces)",
+    )
+    n.add_argument("--devices-per-node", type=int, default=1, help="CPU devices (mpi: ranks) per node")
     n.add_argument(
         "--rates", default="1000", help="comma list of link rates in Mbit/s (tc tbf, each direction)"
     )
@@ -301,7 +308,9 @@ def _network(args: argparse.Namespace) -> int:
         loopback = True
     try:
         cfg = NetworkConfig(
-            processes=tuple(int(p) for p in _comma_list(args.processes)),
+            nodes=tuple(int(p) for p in _comma_list(args.net_nodes)),
+            layouts=tuple(_comma_list(args.layouts)),
+            devices_per_node=args.devices_per_node,
             rates_mbit=tuple(float(r) for r in _comma_list(args.rates)),
             rows=expand_names(args.algorithms) if args.algorithms else NETWORK_ROWS,
             steps=args.steps or 40,

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,14 +40,26 @@ from optaxdist.bench.netns import Lab, have_netns
 NETWORK_ROWS = ("allreduce-fp32", "allreduce-bf16", "powersgd-r2", "topk-1%-ef", "local-sgd-8", "diloco-10")
 NOMINAL_LATENCY_S = 50e-6
 CALIBRATED = ("all_reduce", "all_gather", "permute")
+#: distributed: jax.distributed, one process per node (its devices_per_node devices), on_mesh;
+#: mpi: one MPI rank per device (MpiComm, on_mpi).
+LAYOUTS = ("distributed", "mpi")
+#: MPICH between namespaces: no shared memory, libfabric's TCP provider on the lab's interface.
+MPI_OVER_TCP = {
+    "MPIR_CVAR_NOLOCAL": "1",
+    "MPIR_CVAR_CH4_NETMOD": "ofi",
+    "FI_PROVIDER": "tcp",
+    "FI_TCP_IFACE": "eth0",
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class NetworkConfig:
     """What the network suite runs (``optaxdist bench --suite network``)."""
 
-    processes: tuple[int, ...] = (2,)
+    nodes: tuple[int, ...] = (2,)
     rates_mbit: tuple[float, ...] = (1000.0,)
+    layouts: tuple[str, ...] = ("distributed",)
+    devices_per_node: int = 1
     rows: tuple[str, ...] = NETWORK_ROWS
     steps: int = 40
     warmup: int = 3
@@ -71,8 +84,12 @@ class NetworkConfig:
             raise ValueError(f"rows: unknown {unknown}; available: {', '.join(ALGORITHMS)}")
         if [r for r in self.rows if ALGORITHMS[r].single]:
             raise ValueError("rows: 'single' sends nothing; the network suite runs replicated rows")
-        if not self.processes or any(not isinstance(p, int) or p < 2 for p in self.processes):
-            raise ValueError(f"processes={self.processes!r} must be ints ≥ 2")
+        if not self.nodes or any(not isinstance(p, int) or p < 2 for p in self.nodes):
+            raise ValueError(f"nodes={self.nodes!r} must be ints ≥ 2")
+        if not self.layouts or any(lay not in LAYOUTS for lay in self.layouts):
+            raise ValueError(f"layouts={self.layouts!r}; allowed: {LAYOUTS}")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise ValueError(f"devices_per_node={self.devices_per_node!r} must be an int ≥ 1")
         if not self.rates_mbit or any(r <= 0 for r in self.rates_mbit):
             raise ValueError(f"rates_mbit={self.rates_mbit!r} must be positive (Mbit/s)")
         for name in ("steps", "warmup", "compute_steps", "batch_size", "calibration_repeats"):
@@ -96,29 +113,45 @@ def calibration_sizes(rate_mbit: float | None, n: int) -> dict[str, list[int]]:
     return sizes
 
 
-def run_config(cfg: NetworkConfig, processes: int, rate_mbit: float | None) -> dict[str, Any]:
-    """One lab (``processes`` namespaces at ``rate_mbit``; the loopback if None and ``cfg.loopback``):
-    start the workers, wait for them, return their records."""
+def run_config(cfg: NetworkConfig, layout: str, nodes: int, rate_mbit: float | None) -> dict[str, Any]:
+    """One lab (``nodes`` namespaces at ``rate_mbit``; the loopback if None and ``cfg.loopback``):
+    start the workers of ``layout``, wait for them, return their records."""
     port = random.randint(20000, 40000)
+    g = cfg.devices_per_node
     with tempfile.TemporaryDirectory(prefix="optaxdist-net-") as tmp:
-        lab = None if cfg.loopback else Lab(processes, rate_mbit=rate_mbit)
+        lab = None if cfg.loopback else Lab(nodes, rate_mbit=rate_mbit)
         try:
             host = "127.0.0.1" if lab is None else lab.address(0)
             worker_cfg = {
                 **dataclasses.asdict(cfg),
+                "layout": layout,
+                "nodes": nodes,
+                "replicas": nodes * g,
                 "coordinator": f"{host}:{port}",
-                "processes": processes,
                 "out": tmp,
-                "calibration_bytes": calibration_sizes(rate_mbit, processes) if cfg.calibrate else None,
+                "calibration_bytes": calibration_sizes(rate_mbit, nodes)
+                if cfg.calibrate and g == 1
+                else None,
             }
             path = os.path.join(tmp, "config.json")
             with open(path, "w") as f:
                 json.dump(worker_cfg, f)
-            env = _worker_env()
+            env = _worker_env(1 if layout == "mpi" else g, mpi=layout == "mpi" and lab is not None)
             procs = []
-            for i in range(processes):
+            per_node = g if layout == "mpi" else 1
+            commands = []
+            for i in range(nodes):
                 argv = [sys.executable, "-m", "optaxdist.bench.network_worker", path, str(i)]
-                argv = argv if lab is None else lab.command(i, argv)
+                commands.append(argv if lab is None else lab.command(i, argv))
+            if layout == "distributed":
+                launches = commands
+            else:  # one mpiexec, each node's ranks in its own namespace (MPMD)
+                mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+                launch = [mpiexec]
+                for argv in commands:
+                    launch += [*([":"] if len(launch) > 1 else []), "-n", str(per_node), *argv]
+                launches = [launch]
+            for i, argv in enumerate(launches):
                 log = open(os.path.join(tmp, f"process{i}.log"), "w")  # noqa: SIM115 (closed below)
                 stderr = None if i == 0 and cfg.progress else log
                 procs.append(
@@ -126,19 +159,29 @@ def run_config(cfg: NetworkConfig, processes: int, rate_mbit: float | None) -> d
                 )
             _wait(procs, cfg.timeout_s, tmp)
             records = []
-            for i in range(processes):
+            for i in range(nodes * per_node):
                 with open(os.path.join(tmp, f"process{i}.json")) as f:
                     records.append(json.load(f))
-            return {"processes": processes, "rate_mbit": rate_mbit, "workers": records}
+            return {
+                "layout": layout,
+                "nodes": nodes,
+                "devices_per_node": g,
+                "rate_mbit": rate_mbit,
+                "workers": records,
+            }
         finally:
             if lab is not None:
                 lab.close()
 
 
-def _worker_env() -> dict[str, str]:
+def _worker_env(devices: int, *, mpi: bool) -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    env.pop("XLA_FLAGS", None)
+    if devices > 1:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if mpi:
+        env.update(MPI_OVER_TCP)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
@@ -178,9 +221,21 @@ def _smoothed(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def node_wire_bytes(ledger: dict[Kind, tuple[int, int]], nodes: int, g: int) -> float | None:
+    """What one node sends through its link for the ledger of one replica, by the ring formulas,
+    with one device per node; None with several (where a flat ring over them puts its node
+    boundaries is the backend's business, not modelled)."""
+    if g > 1:
+        return None
+    members = {"world": nodes, "cross": nodes, "local": 1}
+    return sum(cost.wire_bytes(k, b / c, members[k.scope]) * c for k, (c, b) in ledger.items() if c)
+
+
 def summarize(config_run: dict[str, Any], steps: int) -> list[dict[str, Any]]:
     """Per row: bytes (ledger, ring formula, interface), times (compute, measured, modelled)."""
-    n, rate, workers = config_run["processes"], config_run["rate_mbit"], config_run["workers"]
+    layout, nodes, g = config_run["layout"], config_run["nodes"], config_run["devices_per_node"]
+    rate, workers = config_run["rate_mbit"], config_run["workers"]
+    n = nodes * g
     nominal = cost.Network("nominal", (rate or 10_000) * 1e6 / 8, NOMINAL_LATENCY_S)
     fitted = None
     if "calibration" in workers[0]:
@@ -190,7 +245,8 @@ def summarize(config_run: dict[str, Any], steps: int) -> list[dict[str, Any]]:
                 statistics.median(w["calibration"][kind][i][1] for w in workers) for i in range(len(points))
             ]
             samples[kind] = [(size, t) for (size, _), t in zip(points, seconds)]
-        fitted = cost.fit_links(samples, n)
+        fitted = cost.fit_links(samples, nodes)
+    first_of_node = list({w["node"]: w for w in reversed(workers)}.values())  # one counter per namespace
     window = max(1, min(10, steps // 4))
     rows = []
     for name in workers[0]["rows"]:
@@ -199,18 +255,21 @@ def summarize(config_run: dict[str, Any], steps: int) -> list[dict[str, Any]]:
             Kind(c, payload, label=label, scope=scope): (t["collectives"], t["bytes"])
             for (c, payload, label, scope), t in ((t["kind"], t) for t in per[0]["ledger"].values())
         }
-        ledger_bytes = sum(b for _, b in ledger.values()) / steps
-        ring = sum(cost.wire_bytes(k, b / c, n) * c for k, (c, b) in ledger.items() if c) / steps
-        measured = statistics.mean(r["tx_bytes"] for r in per) / steps
+        ledger_bytes = sum(b for k, (_, b) in ledger.items()) / steps
+        ring = node_wire_bytes(ledger, nodes, g)
+        ring = None if ring is None else ring / steps
+        measured = statistics.mean(w["rows"][name]["tx_bytes"] for w in first_of_node) / steps
         compute = statistics.mean(statistics.median(r["compute_s"]) for r in per)
         step_s = per[0]["step_s"]
-        model = compute + cost.comm_time_per_step(ledger, steps, n, nominal)
+        model = compute + cost.comm_time_per_step(ledger, steps, n, nominal, nodes=nodes)
         calibrated = compute + cost.comm_time_per_step(ledger, steps, n, fitted) if fitted else None
         loss = _smoothed([statistics.mean(r["loss"][i] for r in per) for i in range(steps)], window)
         rows.append(
             {
                 "algorithm": name,
-                "processes": n,
+                "layout": layout,
+                "nodes": nodes,
+                "devices_per_node": g,
                 "rate_mbit": rate,
                 "ledger_bytes_per_step": ledger_bytes,
                 "ring_wire_bytes_per_step": ring,
@@ -243,7 +302,8 @@ def _links_json(links: dict[str, cost.Network] | None) -> dict[str, Any] | None:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| algorithm | processes | Mbit/s | ledger MB/step | ring formula MB/step | interface MB/step | "
+        "| algorithm | layout | nodes × devices | Mbit/s | ledger MB/step | ring formula MB/node/step | "
+        "interface MB/node/step | "
         "interface / formula | compute ms | step ms (median) | step ms (mean) | model ms | "
         "calibrated ms | mean / calibrated | time to fp32's loss s | final loss |"
     )
@@ -255,7 +315,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         cells = [
             r["algorithm"],
-            str(r["processes"]),
+            r["layout"],
+            f"{r['nodes']} × {r['devices_per_node']}",
             f(r["rate_mbit"], digits=0) if r["rate_mbit"] else "loopback",
             f(r["ledger_bytes_per_step"], 1e-6, 3),
             f(r["ring_wire_bytes_per_step"], 1e-6, 3),
@@ -280,11 +341,12 @@ def run_network_suite(cfg: NetworkConfig) -> dict[str, Any]:
         raise PermissionError(f"the network suite {reason}")
     t0 = time.perf_counter()
     rows = []
-    for n in cfg.processes:
-        for rate in [None] if cfg.loopback else cfg.rates_mbit:
-            where = "loopback" if rate is None else f"{rate:g} Mbit/s"
-            _log(f"[network] {n} processes, {where}: {', '.join(cfg.rows)}", cfg.progress)
-            rows += summarize(run_config(cfg, n, rate), cfg.steps)
+    for layout in cfg.layouts:
+        for n in cfg.nodes:
+            for rate in [None] if cfg.loopback else cfg.rates_mbit:
+                where = "loopback" if rate is None else f"{rate:g} Mbit/s"
+                _log(f"[network] {layout}, {n} nodes × {cfg.devices_per_node}, {where}", cfg.progress)
+                rows += summarize(run_config(cfg, layout, n, rate), cfg.steps)
     record = {"config": dataclasses.asdict(cfg), "results": rows, "wall_s": time.perf_counter() - t0}
     print(format_table(rows))
     if cfg.out:
@@ -306,18 +368,18 @@ def plot_step_time(rows: list[dict[str, Any]], out: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    counts = sorted({r["processes"] for r in rows})
+    counts = sorted({(r["layout"], r["nodes"]) for r in rows})
     fig, axes = plt.subplots(1, len(counts), figsize=(5 * len(counts), 4), dpi=110, squeeze=False)
     for ax, n in zip(axes[0], counts):
         for name in dict.fromkeys(r["algorithm"] for r in rows):
             pts = sorted(
                 (r["rate_mbit"], r["step_s_mean"])
                 for r in rows
-                if r["algorithm"] == name and r["processes"] == n
+                if r["algorithm"] == name and (r["layout"], r["nodes"]) == n
             )
             ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], marker="o", label=name)
         ax.set(xscale="log", yscale="log", xlabel="link rate (Mbit/s)", ylabel="step time (ms, mean)")
-        ax.set_title(f"{n} processes", fontsize=9)
+        ax.set_title(f"{n[0]}, {n[1]} nodes", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

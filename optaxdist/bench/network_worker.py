@@ -17,7 +17,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,13 +29,6 @@ def _interface_bytes() -> tuple[int, int]:
         stats = "/sys/class/net/lo/statistics/"
     with open(stats + "tx_bytes") as tx, open(stats + "rx_bytes") as rx:
         return int(tx.read()), int(rx.read())
-
-
-def _mine(tree: Any) -> Any:
-    """This process's row of a stacked global array (one device per process)."""
-    import jax
-
-    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
 def _ledger(state: Any) -> dict[str, dict[str, Any]]:
@@ -48,6 +42,62 @@ def _ledger(state: Any) -> dict[str, dict[str, Any]]:
         }
         for k, t in optaxdist.comm_stats(state).by_kind.items()
     }
+
+
+class Layout(NamedTuple):
+    """How this process runs its replicas: the hierarchy the algorithms get, the harness, how the
+    step's stacked arguments are placed, and how to read this process's first replica."""
+
+    hierarchy: Any
+    replicas: tuple[int, ...]  # the world indices of this process's replicas
+    harness: Callable[[Callable], Callable]
+    place: Callable[[Any], Any]
+    mine: Callable[[Any], Any]
+
+
+def make_layout(cfg: dict[str, Any], rank: int) -> Layout:
+    """``distributed``: ``jax.distributed``, one process per node with ``devices_per_node``
+    devices, ``on_mesh``; ``mpi``: one process per device, ``MpiComm``, ``on_mpi``."""
+    import jax
+
+    import optaxdist
+    from optaxdist.parallel.multihost import global_replica_array
+
+    g = cfg["devices_per_node"]
+    if cfg["layout"] == "mpi":
+        first_row = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+        h = optaxdist.mpi_hierarchy(local_size=g)
+        return Layout(h, (rank,), optaxdist.on_mpi, first_row, lambda tree: tree)
+    h = optaxdist.mesh_hierarchy(cfg["nodes"], g)
+    rows = tuple(range(rank * g, (rank + 1) * g))
+    return Layout(
+        h,
+        rows,
+        lambda step: optaxdist.on_mesh(step, h.mesh),
+        lambda t: global_replica_array(t, h.mesh),
+        _first,
+    )
+
+
+def _alone() -> Layout:
+    """One replica on this process's first device, nothing shared (the compute-only step)."""
+    import jax
+
+    import optaxdist
+    from optaxdist.parallel.multihost import global_replica_array
+
+    h = optaxdist.mesh_hierarchy(1, 1, devices=jax.local_devices()[:1])
+    harness = lambda step: optaxdist.on_mesh(step, h.mesh, check_config=False)  # noqa: E731
+    return Layout(h, (0,), harness, lambda t: global_replica_array(t, h.mesh), _first)
+
+
+def _first(tree: Any) -> Any:
+    """This process's first replica of stacked (possibly global) arrays."""
+    import jax
+
+    return jax.tree.map(
+        lambda a: np.asarray(a.addressable_data(0) if hasattr(a, "addressable_data") else a)[0], tree
+    )
 
 
 def calibrate(cfg: dict[str, Any], mesh: Any) -> dict[str, Any]:
@@ -85,14 +135,14 @@ def calibrate(cfg: dict[str, Any], mesh: Any) -> dict[str, Any]:
     return out
 
 
-def run_row(cfg: dict[str, Any], name: str, data: Any, hierarchy: Any, alone: Any) -> dict[str, Any]:
+def run_row(cfg: dict[str, Any], name: str, data: Any, layout: Layout, alone: Layout) -> dict[str, Any]:
     """Compute-only timing on this process alone, then the timed steps on the whole mesh."""
     import jax
 
     import optaxdist
     from optaxdist.bench.algorithms import ALGORITHMS, BenchContext, local_optimizer
+    from optaxdist.bench.data import make_shards
     from optaxdist.bench.models import MLP, cross_entropy, init_params
-    from optaxdist.parallel.multihost import global_replica_array
 
     model = MLP(tuple(cfg["hidden"]), data.num_classes)
     params0 = init_params(model, data.x_train.shape[1], seed=cfg["seed"])
@@ -112,47 +162,50 @@ def run_row(cfg: dict[str, Any], name: str, data: Any, hierarchy: Any, alone: An
 
         return tx, replica_step
 
-    def inputs(h, tx, key_seed):
-        rows = {
-            "params": jax.tree.map(lambda a: np.asarray(a)[None], params0),
-            "x": data.x_train[None],
-            "y": data.y_train[None],
-            "key": np.asarray(jax.random.key_data(jax.random.key(key_seed)))[None],
-        }
-        rows["state"] = jax.tree.map(lambda a: np.asarray(a)[None], tx.init(params0))
-        return global_replica_array(rows, h.mesh)
+    def inputs(layout, tx, replicas):
+        """The step's arguments for ``replicas`` (world indices), stacked, placed for ``layout``."""
+        shards = make_shards(data.y_train, cfg["replicas"], "iid", seed=cfg["seed"])[list(replicas)]
+        state0 = tx.init(params0)
+        rows = (
+            jax.tree.map(lambda a: np.stack([np.asarray(a)] * len(replicas)), params0),
+            jax.tree.map(lambda a: np.stack([np.asarray(a)] * len(replicas)), state0),
+            data.x_train[shards],
+            data.y_train[shards],
+            np.stack(
+                [np.asarray(jax.random.key_data(jax.random.key(cfg["seed"] + 1 + r))) for r in replicas]
+            ),
+        )
+        return layout.place(rows)
 
-    def timed(step, args, count):
+    def timed(step, args, count, layout=layout):
         params, state, x, y, key = args
         times, losses = [], []
         for _ in range(count):
             t = time.perf_counter()
             params, state, key, loss = step(params, state, x, y, key)
-            loss = float(_mine(loss).reshape(-1)[0])  # waits for the step
+            loss = float(np.asarray(layout.mine(loss)).reshape(-1)[0])  # waits for the step
             times.append(time.perf_counter() - t)
             losses.append(loss)
         return (params, state, x, y, key), times, losses
 
-    # compute-only: the same step, this process alone (a group of one sends nothing)
-    tx1, step1 = build(alone)
-    g = inputs(alone, tx1, cfg["seed"] + 1)
-    solo = optaxdist.on_mesh(_with_raw_key(step1), alone.mesh, check_config=False)
-    args = (g["params"], g["state"], g["x"], g["y"], g["key"])
-    args, _, _ = timed(solo, args, cfg["warmup"])
-    _, compute_times, _ = timed(solo, args, cfg["compute_steps"])
+    # compute-only: the same step, one replica alone (a group of one sends nothing)
+    tx1, step1 = build(alone.hierarchy)
+    args = inputs(alone, tx1, layout.replicas[:1])
+    solo = alone.harness(_with_raw_key(step1))
+    args, _, _ = timed(solo, args, cfg["warmup"], alone)
+    _, compute_times, _ = timed(solo, args, cfg["compute_steps"], alone)
 
-    tx, step = build(hierarchy)
-    g = inputs(hierarchy, tx, cfg["seed"] + 1 + jax.process_index())
-    fn = optaxdist.on_mesh(_with_raw_key(step), hierarchy.mesh)
-    args = (g["params"], g["state"], g["x"], g["y"], g["key"])
+    tx, step = build(layout.hierarchy)
+    fn = layout.harness(_with_raw_key(step))
+    args = inputs(layout, tx, layout.replicas)
     t = time.perf_counter()
     args, _, _ = timed(fn, args, cfg["warmup"])
     warmup_s = time.perf_counter() - t
-    ledger0 = _ledger(args[1])
+    ledger0 = _ledger(layout.mine(args[1]))
     counters0 = _interface_bytes()
     args, times, losses = timed(fn, args, cfg["steps"])
     counters1 = _interface_bytes()
-    ledger1 = _ledger(args[1])
+    ledger1 = _ledger(layout.mine(args[1]))
     for k, totals in ledger1.items():
         totals["collectives"] -= ledger0[k]["collectives"]
         totals["bytes"] -= ledger0[k]["bytes"]
@@ -183,23 +236,25 @@ def main(config_path: str, process_id: int) -> None:
         cfg = json.load(f)
     import optaxdist
 
-    interface = "eth0" if os.path.exists("/sys/class/net/eth0") and not cfg["loopback"] else None
-    optaxdist.initialize_multihost(cfg["coordinator"], cfg["processes"], process_id, gloo_interface=interface)
+    if cfg["layout"] == "distributed":
+        interface = "eth0" if os.path.exists("/sys/class/net/eth0") and not cfg["loopback"] else None
+        optaxdist.initialize_multihost(cfg["coordinator"], cfg["nodes"], process_id, gloo_interface=interface)
+    else:
+        from mpi4py import MPI
+
+        process_id = MPI.COMM_WORLD.Get_rank()
     import jax
 
-    from optaxdist.bench.data import load_dataset, make_shards
+    from optaxdist.bench.data import load_dataset
 
-    n = cfg["processes"]
-    hierarchy = optaxdist.mesh_hierarchy(n, 1)  # each process is a node of one device
-    alone = optaxdist.mesh_hierarchy(1, 1, devices=jax.local_devices()[:1])
+    layout, alone = make_layout(cfg, process_id), _alone()
     data = load_dataset(cfg["dataset"], seed=cfg["seed"])
-    shard = make_shards(data.y_train, n, "iid", seed=cfg["seed"])[process_id]
-    data = data._replace(x_train=data.x_train[shard], y_train=data.y_train[shard])
-    record: dict[str, Any] = {"process": process_id, "rows": {}}
-    if cfg["calibration_bytes"]:
-        record["calibration"] = calibrate(cfg, hierarchy.mesh)
+    node = process_id // (cfg["devices_per_node"] if cfg["layout"] == "mpi" else 1)
+    record: dict[str, Any] = {"process": process_id, "node": node, "rows": {}}
+    if cfg["calibration_bytes"] and cfg["layout"] == "distributed" and cfg["devices_per_node"] == 1:
+        record["calibration"] = calibrate(cfg, layout.hierarchy.mesh)
     for name in cfg["rows"]:
-        record["rows"][name] = run_row(cfg, name, data, hierarchy, alone)
+        record["rows"][name] = run_row(cfg, name, data, layout, alone)
         if process_id == 0:
             r = record["rows"][name]
             step_ms = statistics.median(r["step_s"]) * 1e3
@@ -207,13 +262,14 @@ def main(config_path: str, process_id: int) -> None:
             mb = r["tx_bytes"] / len(r["step_s"]) / 1e6
             print(
                 f"  {name:<18} step {step_ms:8.1f} ms  compute {compute_ms:7.1f} ms  "
-                f"sent {mb:8.3f} MB/step  loss {r['loss'][-1]:.4f}",
+                f"node sent {mb:8.3f} MB/step  loss {r['loss'][-1]:.4f}",
                 file=sys.stderr,
                 flush=True,
             )
     with open(os.path.join(cfg["out"], f"process{process_id}.json"), "w") as f:
         json.dump(record, f)
-    jax.distributed.shutdown()
+    if cfg["layout"] == "distributed":
+        jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
