@@ -1,11 +1,12 @@
 """The network suite: real processes on shaped links, measured seconds and bytes on the wire.
 
-For each process count and link rate, ``run_network_suite`` builds a ``Lab`` (one network
-namespace per process on a bridge, each link rate-limited with ``tc``), starts one
-``optaxdist.bench.network_worker`` per namespace (``jax.distributed``, CPU collectives over gloo,
-one CPU device each) and collects, per algorithm row:
+For each layout, node count and link rate, ``run_network_suite`` builds a ``Lab`` (one network
+namespace per node on a bridge, each link rate-limited with ``tc``), starts the
+``optaxdist.bench.network_worker`` processes of each node in its namespace (``distributed``: one
+``jax.distributed`` process per node, CPU collectives over gloo; ``mpi``: one MPICH rank per
+device, launched by one ``mpiexec``, TCP between the namespaces) and collects, per algorithm row:
 
-* the ledger's bytes per step, and what one process sends for them by the ring formulas
+* the ledger's bytes per step, and what one node sends for them by the ring formulas
   (``cost.wire_bytes``), against the bytes the interface counted (headers included);
 * the compute-only step (the same step on one process alone) and the measured step on the mesh;
 * the α-β model's step time, with the nominal link (the rate, ``NOMINAL_LATENCY_S``) and with the
@@ -129,8 +130,9 @@ def run_config(cfg: NetworkConfig, layout: str, nodes: int, rate_mbit: float | N
                 "replicas": nodes * g,
                 "coordinator": f"{host}:{port}",
                 "out": tmp,
+                # the micro-benchmark runs on the jax.distributed mesh of one device per node
                 "calibration_bytes": calibration_sizes(rate_mbit, nodes)
-                if cfg.calibrate and g == 1
+                if cfg.calibrate and layout == "distributed" and g == 1
                 else None,
             }
             path = os.path.join(tmp, "config.json")
@@ -255,7 +257,7 @@ def summarize(config_run: dict[str, Any], steps: int) -> list[dict[str, Any]]:
             Kind(c, payload, label=label, scope=scope): (t["collectives"], t["bytes"])
             for (c, payload, label, scope), t in ((t["kind"], t) for t in per[0]["ledger"].values())
         }
-        ledger_bytes = sum(b for k, (_, b) in ledger.items()) / steps
+        ledger_bytes = sum(b for _, b in ledger.values()) / steps
         ring = node_wire_bytes(ledger, nodes, g)
         ring = None if ring is None else ring / steps
         measured = statistics.mean(w["rows"][name]["tx_bytes"] for w in first_of_node) / steps

@@ -1,13 +1,14 @@
 """One process of the network suite: ``python -m optaxdist.bench.network_worker CONFIG PROCESS_ID``.
 
-Started by ``optaxdist.bench.network`` inside its own network namespace, one per process; joins the
-others with ``jax.distributed`` (CPU collectives over gloo), one CPU device per process, and writes
-``process<ID>.json`` into the config's ``out`` directory:
+Started by ``optaxdist.bench.network`` inside its node's network namespace; joins the others with
+``jax.distributed`` (layout ``distributed``; CPU collectives over gloo) or MPI (layout ``mpi``; the
+rank replaces ``PROCESS_ID``), and writes ``process<ID>.json`` into the config's ``out`` directory:
 
-* ``calibration``: seconds per collective (all-reduce, all-gather, permute) for a range of sizes;
-* per algorithm row: compute-only seconds per step (the same step on this process alone), then
-  seconds, loss, and this process's interface byte counters for each of the timed steps on the
-  mesh of all processes, and the ledger's totals over those steps.
+* ``calibration`` (when the config asks for it): seconds per collective (all-reduce, all-gather,
+  permute) for a range of sizes;
+* per algorithm row: compute-only seconds per step (the same step, one replica alone), then the
+  seconds and loss of each timed step of all replicas, the node's interface byte counters around
+  them, and the ledger's totals over those steps.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def calibrate(cfg: dict[str, Any], mesh: Any) -> dict[str, Any]:
 
     import optaxdist
 
-    comm, n = optaxdist.AxisComm(mesh.axis_names), mesh.size
+    comm, n, spec = optaxdist.AxisComm(mesh.axis_names), mesh.size, P(mesh.axis_names)
     ring = [(i, (i + 1) % n) for i in range(n)]
     ops = {
         "all_reduce": lambda x: comm.psum(x),
@@ -117,12 +118,11 @@ def calibrate(cfg: dict[str, Any], mesh: Any) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for kind, op in ops.items():
-        spec = P(mesh.axis_names)
         fn = jax.jit(jax.shard_map(lambda x, op=op: op(x[0])[None], mesh=mesh, in_specs=spec, out_specs=spec))
         rows = []
         for size in cfg["calibration_bytes"][kind]:
             local = np.ones((1, max(size // 4, 1)), np.float32)
-            x = jax.make_array_from_process_local_data(NamedSharding(mesh, P(mesh.axis_names)), local)
+            x = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
             for _ in range(2):
                 jax.block_until_ready(fn(x))
             times = []
@@ -251,7 +251,7 @@ def main(config_path: str, process_id: int) -> None:
     data = load_dataset(cfg["dataset"], seed=cfg["seed"])
     node = process_id // (cfg["devices_per_node"] if cfg["layout"] == "mpi" else 1)
     record: dict[str, Any] = {"process": process_id, "node": node, "rows": {}}
-    if cfg["calibration_bytes"] and cfg["layout"] == "distributed" and cfg["devices_per_node"] == 1:
+    if cfg["calibration_bytes"]:
         record["calibration"] = calibrate(cfg, layout.hierarchy.mesh)
     for name in cfg["rows"]:
         record["rows"][name] = run_row(cfg, name, data, layout, alone)
