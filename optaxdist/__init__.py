@@ -39,6 +39,7 @@ from optaxdist.parallel import (
     simulate,
 )
 from optaxdist.partition import balanced_fragments, singa_partitions
+from optaxdist.sharding import ModelSharding, on_shards
 from optaxdist.topology import Topology
 from optaxdist.transforms.agreed import apply_updates, sync_params
 from optaxdist.transforms.allreduce import AllReduceState, allreduce
@@ -102,11 +103,11 @@ __all__ = [
     "CommLedger",
     "CommStats",
     "Communicator",
-    "CrossComm",
     "compress",
     "compressed_allreduce",
     "CompressedAllReduceState",
     "consensus_distance",
+    "CrossComm",
     "daso",
     "DasoEvents",
     "DasoState",
@@ -125,16 +126,18 @@ __all__ = [
     "local_sgd",
     "mesh_hierarchy",
     "mlbench_loss_scale",
+    "ModelSharding",
     "mpi_hierarchy",
-    "node_hierarchy",
     "MpiComm",
-    "NodeComm",
     "nnx_replica",
     "nnx_replicate",
     "nnx_step",
+    "node_hierarchy",
+    "NodeComm",
     "on_mesh",
     "on_mpi",
     "on_node",
+    "on_shards",
     "outer_sync",
     "OuterState",
     "partial_average",

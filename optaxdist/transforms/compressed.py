@@ -13,6 +13,7 @@ from optaxdist.accounting import CommLedger, Kind, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, divides_first
 from optaxdist.compress.base import Compressor
+from optaxdist.sharding import ModelSharding, by_split_axes
 from optaxdist.transforms._checks import check_comm, check_warmup_steps
 from optaxdist.transforms.allreduce import allreduce
 
@@ -50,6 +51,7 @@ def compressed_allreduce(
     scope: Literal["leaf", "model"] = "leaf",
     residual_dtype: Any = jnp.float32,
     seed: int = 0,
+    model_sharding: ModelSharding | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Average compressed gradients over ``comm``, keeping what was not sent for the next step.
 
@@ -82,6 +84,15 @@ def compressed_allreduce(
 
     Ledger kind: ``"<collective>[<compressor name>]"``, e.g. ``"all_gather[top_k]"``.
 
+    Sharded models (``model_sharding``): when the parameters of a replica are split over model axes
+    (FSDP, tensor parallelism; ``on_mesh(..., axis_name="replica")``), each device compresses its
+    own block of every leaf, so no leaf is ever gathered over a model axis: ``k`` and the blocks
+    of ``quantize`` and ``sign`` are taken per block, ``random_k`` / ``block_k`` draw per block
+    (the shared key folded with the block number), and error-feedback residuals are split like the
+    parameters. The elementwise compressors (casts, ``threshold``) give the numbers of the unsharded
+    run. The ledger counts what the replica sends: the sum over its devices of their blocks'
+    payloads (a leaf replicated over a model axis is sent by every device of that axis).
+
     Args:
       compressor: one of ``optaxdist.compress`` (``cast``, ``quantize``, ``top_k``, ``random_k``,
         ``block_k``, ``threshold``, ``sign``).
@@ -92,6 +103,8 @@ def compressed_allreduce(
       residual_dtype: dtype of the residual and of the compression arithmetic (float32).
       seed: base of the shared keys of random compressors (``random_k``, ``block_k``,
         ``quantize(rounding="stochastic")``).
+      model_sharding: how the parameters are split over model axes inside each replica
+        (``optaxdist.ModelSharding``); None: each replica holds whole leaves.
 
     Example:
       >>> tx = optax.chain(
@@ -112,6 +125,8 @@ def compressed_allreduce(
     residual_dtype = jnp.dtype(residual_dtype)
     if not jnp.issubdtype(residual_dtype, jnp.floating):
         raise ValueError(f"residual_dtype={residual_dtype} must be a floating-point dtype")
+    if model_sharding is not None and not isinstance(model_sharding, ModelSharding):
+        raise TypeError(f"model_sharding must be an optaxdist.ModelSharding or None, got {model_sharding!r}")
     kind = Kind(compressor.exchange, compressor.name)
 
     def vectors_of(tree):
@@ -124,12 +139,18 @@ def compressed_allreduce(
         vecs = [x.reshape(-1).astype(residual_dtype) for x in leaves]
         return vecs, lambda vs: jax.tree.unflatten(treedef, [v.reshape(s) for v, s in zip(vs, shapes)])
 
-    def keys(step, count):
+    def keys(step, count, axes, group):
         base = jax.random.fold_in(jax.random.key(seed), step)
+        if axes is not None:  # under model_sharding: distinct draws per group and per block
+            base = jax.random.fold_in(jax.random.fold_in(base, group), model_sharding.block_index(axes))
         return [jax.random.fold_in(base, i) for i in range(count)]
 
     def init_fn(params):
-        abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, residual_dtype), params)
+        if model_sharding is None:
+            abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, residual_dtype), params)
+            devices = 1
+        else:  # every device of a replica sends the payload of its blocks
+            abstract, devices = model_sharding.blocks(params, residual_dtype), model_sharding.devices
         vecs, _ = jax.eval_shape(lambda t: (vectors_of(t)[0], 0), abstract)
         key = jax.random.key(0)
         payload = [jax.eval_shape(compressor.encode, v, key) for v in vecs]
@@ -137,16 +158,31 @@ def compressed_allreduce(
         return CompressedAllReduceState(
             compress_step=jnp.zeros((), jnp.int32),
             error=error,
-            compressed_ledger=CommLedger.create({kind: payload_bytes(payload)}),
+            compressed_ledger=CommLedger.create({kind: devices * payload_bytes(payload)}),
         )
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
+        trees = (updates, state.error) if error_feedback else (updates,)
+        if model_sharding is None:
+            out, *error = exchange(None, None, *trees, state.compress_step)
+        else:
+            out, *error = by_split_axes(exchange, model_sharding, trees, (state.compress_step,))
+        return out, CompressedAllReduceState(
+            compress_step=optax.safe_increment(state.compress_step),
+            error=error[0] if error_feedback else state.error,
+            compressed_ledger=state.compressed_ledger.record(kind),
+        )
+
+    def exchange(axes, group, updates, *rest):
+        """The averaged compressed ``updates`` (and the new residuals): of whole leaves, or under
+        ``model_sharding`` of this device's blocks of the leaves split over ``axes``."""
+        *error, compress_step = rest
         v_tree = updates
         if error_feedback:
-            v_tree = jax.tree.map(lambda g, e: g.astype(residual_dtype) + e, updates, state.error)
+            v_tree = jax.tree.map(lambda g, e: g.astype(residual_dtype) + e, updates, error[0])
         vecs, rebuild = vectors_of(v_tree)
-        ks = keys(state.compress_step, len(vecs))
+        ks = keys(compress_step, len(vecs), axes, group)
         # A 16-bit payload that is summed (the casts) is the mean's share v / W, so the float16 sum
         # stays in range wherever the mean is (see optaxdist.comm.base.divides_first).
         first = compressor.exchange == "all_reduce" and _narrow_payload(compressor, vecs, ks)
@@ -159,15 +195,10 @@ def compressed_allreduce(
         world = 1 if first else comm.size
         averaged = [compressor.combine(r, v.shape[0], world, k) for r, v, k in zip(received, vecs, ks)]
         out = jax.tree.map(lambda a, g: a.astype(g.dtype), rebuild(averaged), updates)
-        error = state.error
         if error_feedback:
             sent = [share * compressor.decode(p, v.shape[0], k) for p, v, k in zip(payloads, vecs, ks)]
-            error = jax.tree.map(lambda v, s: v - s.astype(residual_dtype), v_tree, rebuild(sent))
-        return out, CompressedAllReduceState(
-            compress_step=optax.safe_increment(state.compress_step),
-            error=error,
-            compressed_ledger=state.compressed_ledger.record(kind),
-        )
+            return out, jax.tree.map(lambda v, s: v - s.astype(residual_dtype), v_tree, rebuild(sent))
+        return (out,)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
