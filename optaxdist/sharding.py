@@ -142,6 +142,14 @@ class ModelSharding:
         named = {a for entry in spec for a in _dim_axes(entry)}
         return tuple(a for a in self.axes if a in named)
 
+    def groups(self, tree: PyTree) -> dict[tuple[str, ...], list[int]]:
+        """The leaves of ``tree`` (indices into its flattened leaves) by the model axes that split
+        them, in order of first appearance."""
+        out: dict[tuple[str, ...], list[int]] = {}
+        for i, spec in enumerate(jax.tree.leaves(self.specs_for(tree), is_leaf=_is_spec)):
+            out.setdefault(self.split_axes(spec), []).append(i)
+        return out
+
     def block_index(self, axes: tuple[str, ...]) -> jax.Array:
         """This device's block number over ``axes`` (row-major); only inside ``on_shards``."""
         sizes = dict(self.axis_sizes)
@@ -168,11 +176,8 @@ def by_split_axes(
     """
     specs = jax.tree.leaves(sharding.specs_for(trees[0]), is_leaf=_is_spec)
     flat = [jax.tree.leaves(t) for t in trees]
-    groups: dict[tuple[str, ...], list[int]] = {}
-    for i, spec in enumerate(specs):
-        groups.setdefault(sharding.split_axes(spec), []).append(i)
     out = [list(leaves) for leaves in flat]
-    for number, (axes, ix) in enumerate(groups.items()):
+    for number, (axes, ix) in enumerate(sharding.groups(trees[0]).items()):
         leaf_lists = tuple([leaves[i] for i in ix] for leaves in flat)
         run = functools.partial(fn, axes, number)
         if axes:

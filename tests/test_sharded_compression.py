@@ -116,14 +116,16 @@ def _close(a, b, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol)
 
 
-@pytest.mark.parametrize("name", sorted(COMPRESSORS))
-def test_each_device_compresses_its_own_block(name):
+@pytest.mark.parametrize(
+    "name, scope", [(n, "leaf") for n in sorted(COMPRESSORS)] + [("top_k", "model"), ("quantize", "model")]
+)
+def test_each_device_compresses_its_own_block(name, scope):
     """Mesh = simulate with the same blocks; no collective over the model axis; residuals split
     like the parameters; the ledger counts what the replica's devices send between replicas."""
     mesh = _mesh(4, 2)
     grads = _grads(4)
     sharding = od.ModelSharding.from_mesh(mesh, SPECS, od.REPLICA_AXIS)
-    tx = od.compressed_allreduce(COMPRESSORS[name], comm=COMM, model_sharding=sharding)
+    tx = od.compressed_allreduce(COMPRESSORS[name], comm=COMM, scope=scope, model_sharding=sharding)
     (u_sim, s_sim), (u_mesh, s_mesh), text = _run_both(tx, grads, mesh)
     _close(u_sim, u_mesh)
     _close(s_sim.error, s_mesh.error)

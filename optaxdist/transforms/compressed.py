@@ -146,19 +146,23 @@ def compressed_allreduce(
         return [jax.random.fold_in(base, i) for i in range(count)]
 
     def init_fn(params):
-        if model_sharding is None:
-            abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, residual_dtype), params)
-            devices = 1
-        else:  # every device of a replica sends the payload of its blocks
-            abstract, devices = model_sharding.blocks(params, residual_dtype), model_sharding.devices
-        vecs, _ = jax.eval_shape(lambda t: (vectors_of(t)[0], 0), abstract)
         key = jax.random.key(0)
-        payload = [jax.eval_shape(compressor.encode, v, key) for v in vecs]
+
+        def payload_of(abstract):
+            vecs = jax.eval_shape(lambda t: vectors_of(t)[0], abstract)
+            return payload_bytes([jax.eval_shape(compressor.encode, v, key) for v in vecs])
+
+        if model_sharding is None:
+            sent = payload_of(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, residual_dtype), params))
+        else:  # every device of a replica sends the payloads of its blocks, group by group
+            blocks = jax.tree.leaves(model_sharding.blocks(params, residual_dtype))
+            groups = model_sharding.groups(params).values()
+            sent = model_sharding.devices * sum(payload_of([blocks[i] for i in ix]) for ix in groups)
         error = jax.tree.map(lambda p: jnp.zeros(p.shape, residual_dtype), params) if error_feedback else ()
         return CompressedAllReduceState(
             compress_step=jnp.zeros((), jnp.int32),
             error=error,
-            compressed_ledger=CommLedger.create({kind: devices * payload_bytes(payload)}),
+            compressed_ledger=CommLedger.create({kind: sent}),
         )
 
     def update_fn(updates, state, params=None, **extra):
