@@ -1,7 +1,8 @@
 """Replicas whose parameters are sharded over a model axis: ``on_mesh(..., axis_name="replica")``
 on a ``("replica", "model")`` mesh is manual over the replica axis only and leaves the model axis to
 the compiler, so each replica's kernels stay sharded while the transforms communicate between
-replicas."""
+replicas. Here: the start check on such a mesh, and the placement ``on_mesh`` refuses. Every
+transform against ``simulate`` on such meshes: tests/test_sharded_models.py."""
 
 import jax
 import jax.numpy as jnp
@@ -37,52 +38,64 @@ def _loss(p, x, y):
     return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2)
 
 
-TRANSFORMS = {
-    "allreduce": lambda: optax.chain(od.allreduce(comm=COMM), optax.sgd(0.1)),
-    "top_k": lambda: optax.chain(
-        od.compressed_allreduce(od.compress.top_k(fraction=0.1), comm=COMM), optax.sgd(0.1)
-    ),
-    "diloco": lambda: od.diloco(optax.sgd(0.1), comm=COMM, period=2, check_start=False),
-    "powersgd": lambda: optax.chain(od.powersgd(comm=COMM, rank=2, warmup_steps=1), optax.sgd(0.1)),
-}
+def test_start_check_runs_under_partial_auto_sharding(monkeypatch):
+    """The default ``check_start=True`` on a ``("replica", "model")`` mesh: its host callback runs in
+    a nested shard_map that makes "model" manual too. Identical replicas pass, and only step 0
+    runs the callback; replicas that start different raise the clear error."""
+    from optaxdist.transforms import _start
 
+    calls = []
 
-@pytest.mark.parametrize("name", sorted(TRANSFORMS))
-def test_model_sharded_replicas_match_simulation(name):
-    tx = TRANSFORMS[name]()
+    def counted(same):
+        calls.append(1)
+        return _verdict(same)
+
+    _verdict = _start._verdict
+    monkeypatch.setattr(_start, "_verdict", counted)
+    tx = od.diloco(optax.sgd(0.1), comm=COMM, period=2)
 
     def step(p, s, x, y):
         u, s = tx.update(jax.grad(_loss)(p, x, y), s, p)
         return optax.apply_updates(p, u), s
 
     params, x, y = _problem()
-    want, state = params, od.simulate(tx.init)(params)
-    simulated = od.simulate(step)
-    for _ in range(4):
-        want, state = simulated(want, state, x, y)
-
     mesh = _mesh()
     kernels = {
         "w1": NamedSharding(mesh, P(od.REPLICA_AXIS, None, "model")),
         "w2": NamedSharding(mesh, P(od.REPLICA_AXIS, "model", None)),
     }
     got = jax.device_put(params, kernels)
-    state = od.on_mesh(tx.init, mesh, axis_name=od.REPLICA_AXIS)(got)
+    init = od.on_mesh(tx.init, mesh, axis_name=od.REPLICA_AXIS)
     run = od.on_mesh(step, mesh, axis_name=od.REPLICA_AXIS)
-    for _ in range(4):
+    state = init(got)
+    for t in range(3):
         got, state = run(got, state, x, y)
-    assert got["w1"].sharding.spec == P(od.REPLICA_AXIS, None, "model")  # still sharded on "model"
-    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6)
+        jax.block_until_ready(got)
+        assert len(calls) == 2 * N, t  # one verdict per device, at step 0 only
+    assert got["w1"].sharding.spec == P(od.REPLICA_AXIS, None, "model")
+    assert od.comm_stats(state).by_kind["broadcast[start check]"].collectives == 1
+
+    different = jax.device_put(jax.tree.map(lambda v: v.at[N - 1].add(1e-3), params), kernels)
+    with pytest.raises(Exception, match="do not start from identical parameters"):
+        jax.block_until_ready(run(different, init(different), x, y))
 
 
-def test_start_check_under_partial_auto_sharding_is_refused_clearly():
-    tx = od.diloco(optax.sgd(0.1), comm=COMM, period=2)
-    params, _, _ = _problem()
+@pytest.mark.parametrize(
+    "spec,bad",
+    [
+        (P(None, od.REPLICA_AXIS), r"splits dimension 1 over the replica axes \['replica'\]"),
+        (P(None, None, od.REPLICA_AXIS), r"splits dimension 2 over the replica axes \['replica'\]"),
+        (P((od.REPLICA_AXIS, "model"), None), r"leading \(stacked\) dimension over \['replica', 'model'\]"),
+    ],
+)
+def test_on_mesh_refuses_a_replica_axis_off_the_leading_dimension(spec, bad):
     mesh = _mesh()
-    state = od.on_mesh(tx.init, mesh, axis_name=od.REPLICA_AXIS)(params)
-    run = od.on_mesh(lambda p, s: tx.update(p, s, p), mesh, axis_name=od.REPLICA_AXIS)
-    with pytest.raises(
-        ValueError, match=r"check_start=True cannot run .* mesh axes \['model'\] .* check_start=False"
-    ):
-        run(params, state)
+    run = od.on_mesh(lambda p: jax.tree.map(lambda v: v * 2, p), mesh, axis_name=od.REPLICA_AXIS)
+    ok = jax.device_put(jnp.ones((N, 8, 4)), NamedSharding(mesh, P(od.REPLICA_AXIS, "model")))
+    np.testing.assert_array_equal(run({"a": ok, "b": ok})["b"], 2.0)  # the leading dimension: fine
+    rows = 2 * N if isinstance(spec[0], tuple) else N  # the leading dimension split 8 ways
+    wrong = jax.device_put(jnp.ones((rows, 8, 4)), NamedSharding(mesh, spec))
+    with pytest.raises(ValueError, match=r"on_mesh argument 0, leaf \['b'\]: its sharding .*" + bad):
+        run({"a": ok, "b": wrong})
+    with pytest.raises(ValueError, match=r"argument 1, leaf \(the argument\).*" + bad):
+        od.on_mesh(lambda p, q: q, mesh, axis_name=od.REPLICA_AXIS)(ok, wrong)

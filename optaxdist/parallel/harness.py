@@ -109,12 +109,16 @@ class AgreedStep:
         who: str,
         *,
         wait: bool = False,
+        check_args: Callable[..., None] | None = None,
     ):
         self._jitted, self._traced, self._step = jitted, traced, step
         self._allgather, self._who, self._wait = allgather, who, wait
+        self._check_args = check_args
         self.agreement = CommLedger.create({DIGEST_KIND: DIGEST_BYTES})
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._check_args is not None:
+            self._check_args(args)
         if self._allgather is not None:  # until a call has agreed (every process raises alike)
             traced = functools.partial(self._traced, **kwargs)
             description = describe_step(traced, *args, user_step=self._step)
@@ -125,6 +129,48 @@ class AgreedStep:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jitted, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _misplaced_replica_axes(spec: P, ndim: int, names: tuple[str, ...]) -> str | None:
+    """Why ``spec`` splits an array over a replica axis elsewhere than alone on its leading
+    (stacked) dimension, or None when it does not."""
+    for dim, entry in enumerate(tuple(spec)[:ndim]):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry) if isinstance(entry, tuple) else ()
+        replica = [a for a in axes if a in names]
+        if dim > 0 and replica:
+            return f"splits dimension {dim} over the replica axes {replica}"
+        if dim == 0 and replica and len(replica) != len(axes):
+            others = [a for a in axes if a not in names]
+            return (
+                f"splits the leading (stacked) dimension over {list(axes)}: replica axes mixed with {others}"
+            )
+    return None
+
+
+def _check_replica_placement(args: tuple, mesh: Mesh, names: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` if a concrete argument's ``NamedSharding`` on a mesh with the replica
+    axes puts one of them anywhere but alone on the leading (stacked) dimension."""
+
+    def bad(leaf) -> str | None:
+        sharding = getattr(leaf, "sharding", None)
+        if not isinstance(sharding, NamedSharding) or not set(names) <= set(sharding.mesh.axis_names):
+            return None
+        return _misplaced_replica_axes(sharding.spec, np.ndim(leaf), names)
+
+    if not any(bad(leaf) for leaf in jax.tree.leaves(args)):
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+        why = bad(leaf)
+        if why:
+            raise ValueError(
+                f"on_mesh argument {jax.tree_util.keystr(path[:1])[1:-1]}, leaf "
+                f"{jax.tree_util.keystr(path[1:]) or '(the argument)'}: its sharding "
+                f"{leaf.sharding.spec} {why}. on_mesh stacks replicas on the leading dimension, "
+                f"split over the replica axes {list(names)} of the mesh {dict(mesh.shape)}; the "
+                f"other dimensions may be split over the remaining axes only, e.g. "
+                f"P({names[0] if len(names) == 1 else names!r}, None, 'model')"
+            )
 
 
 def on_mesh(
@@ -142,6 +188,12 @@ def on_mesh(
     spanning several hosts under ``jax.distributed`` when the inputs are global arrays
     (``global_replica_array``); there, unless ``check_config=False``, the first call checks that
     every process runs the same configuration (``AgreedStep``).
+
+    Mesh axes not in ``axis_name`` (``"model"``) are left to the compiler: arguments may be
+    sharded over them on their other dimensions (``P("replica", None, "model")``), and stay so.
+    Each call raises ``ValueError`` if an argument's ``NamedSharding`` splits a dimension other
+    than the leading one over a replica axis, or the leading one over replica and other axes
+    together (``P(None, "replica")``, ``P(("replica", "model"), None)``).
     """
     names = _names(mesh.axis_names if axis_name is None else axis_name)
     missing = [a for a in names if a not in mesh.axis_names]
@@ -165,7 +217,14 @@ def on_mesh(
         return mapped(*jax.tree.map(placed, args))
 
     many = check_config and jax.process_count() > 1
-    return AgreedStep(jax.jit(run), run, step, host_allgather if many else None, "processes")
+    return AgreedStep(
+        jax.jit(run),
+        run,
+        step,
+        host_allgather if many else None,
+        "processes",
+        check_args=functools.partial(_check_replica_placement, mesh=mesh, names=names),
+    )
 
 
 def on_mpi(step: Callable[..., Any], *, comm: Any = None, check_config: bool = True) -> AgreedStep:

@@ -7,8 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from optaxdist._compat import manual_axes
+from optaxdist._compat import manual_axes, shard_map
 from optaxdist.accounting import CommLedger, Kind, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator
 
@@ -60,6 +61,25 @@ def _verdict(same) -> np.ndarray:
     return np.zeros((), np.int32)
 
 
+def _host_verdict(same: jax.Array) -> jax.Array:
+    """``_verdict`` on the host as a ``pure_callback``: a zero, or ``ValueError``.
+
+    JAX runs no host callback where some mesh axes are left to the compiler (a ``shard_map``
+    manual over the replica axes only, the model axes automatic): there the callback runs inside
+    a nested ``shard_map`` that makes the remaining axes manual too. The verdict is one scalar,
+    identical on every device (``comm.agree``), so it enters and leaves that map unsplit (``P()``).
+    """
+
+    def callback(ok):
+        return jax.pure_callback(_verdict, jax.ShapeDtypeStruct((), jnp.int32), ok, vmap_method="sequential")
+
+    manual = set(manual_axes())
+    auto = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a not in manual)
+    if not manual or not auto:  # vmap, MPI, or a shard_map manual over every axis
+        return callback(same)
+    return shard_map(callback, in_specs=P(), out_specs=P(), axis_names=set(auto), check_vma=False)(same)
+
+
 def check_identical_start(
     check_start: bool, params: Any, step: jax.Array, ledger: CommLedger, comm: Communicator
 ) -> CommLedger:
@@ -75,22 +95,10 @@ def check_identical_start(
     """
     if not check_start:
         return ledger
-    mesh = jax.sharding.get_abstract_mesh()
-    if set(manual_axes()) and set(manual_axes()) != set(mesh.axis_names):
-        raise ValueError(
-            "check_start=True cannot run inside a shard_map that leaves mesh axes "
-            f"{sorted(set(mesh.axis_names) - set(manual_axes()))} to the compiler (JAX runs no host "
-            "callback under partial automatic sharding): start the replicas from identical "
-            "parameters (optaxdist.replicate, or broadcast_from_root in a first step) and pass "
-            "check_start=False"
-        )
 
     def first(led):
         mine = fingerprint(params)
         same = comm.agree(jnp.all(mine == comm.broadcast(mine, 0)), op="all")
-        zero = jax.pure_callback(
-            _verdict, jax.ShapeDtypeStruct((), jnp.int32), same, vmap_method="sequential"
-        )
-        return per_replica(led.record(CHECK_KIND, 1 + zero), comm)
+        return per_replica(led.record(CHECK_KIND, 1 + _host_verdict(same)), comm)
 
     return jax.lax.cond(comm.uniform(step) == 0, first, lambda led: per_replica(led, comm), ledger)
