@@ -106,9 +106,10 @@ TRANSFORMS = {
     "singa_sgd": lambda c, n: od.singa_sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3),
 }
 
-# Wire dtypes narrower than the parameters round the gradients: where the mesh sums a model-split
-# dot product in another order than vmap, a value near a rounding boundary can round to the
-# neighbouring float16 value (one ulp, about 1e-4 of the gradient), and later steps carry it on.
+# Wire dtypes narrower than the parameters round the gradients (DASO sends bfloat16 by default):
+# where the mesh sums a model-split dot product in another order than vmap, a value next to a
+# rounding boundary can round to the neighbouring float16 / bfloat16 value (one ulp of the wire
+# dtype), and later steps carry it on. The parameters move by 4e-2 to 2e-1 in these steps.
 TOLERANCE = {"allreduce_fp16_clip": 1e-4, "allreduce_bf16_sum": 3e-4, "daso": 3e-4}
 
 # one of each family in the default run (DASO: the hierarchical test), the rest under -m slow
@@ -118,7 +119,6 @@ DEFAULT = {
     (4, "compressed_top_k"),
     (4, "powersgd"),
     (4, "local_sgd"),
-    (4, "diloco"),
     (4, "singa_sgd"),
     (2, "sgp_overlap"),
 }
