@@ -319,6 +319,11 @@ class _Resizer:
         fragments = outer.layout.fragments
         total = sum(math.prod(x.shape) for x in self.leaf_shapes)
         covered = sorted(i for part in fragments for i in part) == list(range(len(self.leaf_shapes)))
+        if any(isinstance(a, tuple) for a in outer.anchors):
+            raise ValueError(
+                f"{path}: resizing a sharded DiLoCo/SlowMo/Streaming DiLoCo state made with "
+                "model_sharding (blocks per group of model-sharded leaves) is not supported"
+            )
         if not covered or outer.layout.num_shards != n:
             raise ValueError(
                 f"{path}: a sharded outer state over {outer.layout.num_shards} replicas does not cover "

@@ -9,6 +9,7 @@ parameters, and every per-replica state leaf shaped like a kernel, sharded over 
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -270,3 +271,58 @@ def test_hierarchical_model_sharded_replicas_match_simulate(name):
 
     _compare((want, want_state), (got, state), (params, want_state), TOLERANCE.get(name, 1e-5))
     assert _assert_model_sharded(got, state, axes) >= 2
+
+
+# ---- the memory-efficient outer mode (num_shards) under model sharding -----------------------------
+
+MEMORY_EFFICIENT = {
+    "diloco": lambda ms, n: od.diloco(_sgd(), comm=COMM, period=2, num_shards=n, model_sharding=ms),
+    "streaming_diloco": lambda ms, n: od.streaming_diloco(
+        _momentum(), comm=COMM, period=2, num_fragments=2, num_shards=n, model_sharding=ms
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(k, marks=() if k == "diloco" else SLOW) for k in sorted(MEMORY_EFFICIENT)]
+)
+def test_memory_efficient_outer_sync_keeps_blocks_split_over_the_model_axis(name):
+    """Each device reduce-scatters its own blocks: the numbers of the unsharded memory-efficient
+    run, no leaf gathered over the model axis, the anchor blocks split over it (1/(W·D) of the
+    kernels per device), and the ledger's reduce-scatter = the HLO's over the replica axis."""
+    from tests.test_sharded_compression import collectives_by_axis
+
+    n = 4
+    mesh = _mesh((n, 8 // n), (R, M))
+    sharding = od.ModelSharding.from_mesh(mesh, {k: P(*v) for k, v in SPECS.items()}, R)
+    tx = MEMORY_EFFICIENT[name](sharding, n)
+    params, x, y = _problem(n)
+    plain, _ = _run(od.simulate, MEMORY_EFFICIENT[name](None, n), params, x, y)
+    want, want_state = _run(od.simulate, tx, params, x, y)
+    _compare(plain, want, params)
+
+    start = _place(params, mesh, (R,))
+    got, state = _run(lambda f: od.on_mesh(f, mesh, axis_name=R), tx, start, x, y)
+    _compare((want, want_state), (got, state), (params, want_state))
+    assert _assert_model_sharded(got, state, (R,)) >= 2
+
+    # per fragment, one block per group of its leaves: the kernels' split over "model", the bias's not
+    blocks = [b for fragment in state.sync_state.anchors for b in fragment]
+    split = [b for b in blocks if M in b.sharding.spec]
+    whole = [b for b in blocks if M not in b.sharding.spec]
+    assert split and all(b.sharding.spec == P(R, M) for b in split)
+    assert all({s.data.shape for s in b.addressable_shards} == {(1, b.shape[1] // 2)} for b in split)
+    assert all(b.sharding.spec in (P(R), P(R, None)) and b.shape[1] <= 2 for b in whole)
+
+    update = od.on_mesh(lambda g, s, p: tx.update(g, s, p), mesh, axis_name=R)
+    text = update.lower(got, state, got).compile().as_text()  # the transform's, not the model's
+    by_axis = collectives_by_axis(text, mesh)
+    assert all(nbytes <= 8 for _, nbytes in by_axis["model"]), by_axis["model"]  # flags only
+    # each group's reduce-scatter appears once per branch of the engine that syncs its fragment
+    scattered = collections.Counter(b for op, b in by_axis["replica"] if op == "reduce-scatter")
+    copies = min(scattered.values())
+    assert all(c % copies == 0 for c in scattered.values()), scattered
+    kinds = zip(state.ledger.kinds, state.ledger.payloads)
+    ledger = sum(p for k, p in kinds if k.collective == "reduce_scatter")
+    # each of a replica's 2 devices scatters its blocks: its input is 4 replicas × its result
+    assert ledger * copies == 2 * n * sum(b * c for b, c in scattered.items())

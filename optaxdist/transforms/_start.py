@@ -17,27 +17,37 @@ CHECK_KIND = Kind("broadcast", "start check")
 
 
 def _bit_words(x: jax.Array) -> jax.Array:
-    """The bit patterns of ``x`` as a flat vector of unsigned words (8-byte values: two uint32)."""
-    x = jnp.ravel(x)
+    """The bit patterns of ``x`` as unsigned words, in ``x``'s shape (8-byte values and complex
+    numbers get one more trailing dimension: their two words, or real and imaginary parts)."""
+    x = jnp.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        x = jnp.stack([x.real, x.imag], axis=-1).ravel()
+        x = jnp.stack([x.real, x.imag], axis=-1)
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    return jax.lax.bitcast_convert_type(x, width).ravel()
+    return jax.lax.bitcast_convert_type(x, width)
+
+
+def _row_major_index(shape: tuple[int, ...]) -> jax.Array:
+    """Each element's position in the flattened array, as uint32 of ``shape``: computed per
+    element, so a leaf split over model axes is never gathered to be flattened."""
+    index = jnp.zeros(shape, jnp.uint32)
+    for d, n in enumerate(shape):
+        index = index * jnp.uint32(n) + jax.lax.broadcasted_iota(jnp.uint32, shape, d)
+    return index
 
 
 def fingerprint(tree: Any) -> jax.Array:
-    """One uint32 per leaf: ``Σ_k bits_k · (2k + 1) mod 2³²`` over the leaf's bit patterns
-    (8-byte values contribute both of their 32-bit words).
+    """One uint32 per leaf: ``Σ_k bits_k · (2k + 1) mod 2³²`` over the leaf's bit patterns in
+    row-major order (8-byte values contribute both of their 32-bit words).
 
     Any single differing element changes it (odd multipliers are invertible mod 2³²), so equal
     fingerprints on every replica mean identical parameters up to a negligible chance.
     """
     out = []
     for leaf in jax.tree.leaves(tree):
-        bits = _bit_words(jnp.asarray(leaf)).astype(jnp.uint32)
-        weights = 2 * jnp.arange(bits.size, dtype=jnp.uint32) + 1
+        bits = _bit_words(leaf).astype(jnp.uint32)
+        weights = 2 * _row_major_index(bits.shape) + 1
         out.append(jnp.sum(bits * weights, dtype=jnp.uint32))
     return jnp.stack(out) if out else jnp.zeros((0,), jnp.uint32)
 

@@ -19,11 +19,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
+from jax.sharding import PartitionSpec as P
 
 from optaxdist.accounting import Kind, dtype_label, kind_name, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.partition import Partition, balanced_fragments, resolve_partition
+from optaxdist.sharding import ModelSharding, on_shards
 from optaxdist.transforms._checks import check_comm, check_float_leaves, check_int, check_number
 from optaxdist.transforms.periodic import SyncInput, periodic
 
@@ -45,7 +47,9 @@ class OuterState(NamedTuple):
       layout: fragments and sharding (static).
       anchors: per fragment, ``x₀`` at the fragment's last sync (replicated): a tree of the
         parameters' structure when the fragment is all of them (DiLoCo, SlowMo), else the list of
-        its leaves; sharded, this replica's flat block of ``ceil(P_f / num_shards)`` elements.
+        its leaves; sharded, this replica's flat block of ``ceil(P_f / num_shards)`` elements
+        (with ``model_sharding``, a tuple of such blocks, one per group of leaves split over the
+        same model axes, each itself split over those axes).
       outer_states: per fragment, the outer optimizer's state (replicated; a block when sharded).
       reducer_states: per fragment, a custom reducer's state (e.g. an error-feedback residual, per
         replica); empty without one.
@@ -83,18 +87,42 @@ def _sharded_kind(op: str, fragments: Partition, f: int, dtype: Any) -> Kind:
     return Kind(op, _label(fragments, f, [], dtype))
 
 
-def sharded_payloads(fragments: Partition, leaves, num_shards: int) -> dict[Kind, int]:
+def model_groups(
+    model_sharding: ModelSharding, params: Any, part: tuple[int, ...]
+) -> list[tuple[tuple[str, ...], list[int]]]:
+    """Fragment ``part``'s leaves by the model axes that split them: ``[(axes, leaf indices)]``."""
+    groups = [(axes, [i for i in ix if i in part]) for axes, ix in model_sharding.groups(params).items()]
+    return [(axes, ix) for axes, ix in groups if ix]
+
+
+def sharded_payloads(
+    fragments: Partition, leaves, num_shards: int, model_sharding: ModelSharding | None = None
+) -> dict[Kind, int]:
     """Ledger kinds and payloads of the sharded mode over ``num_shards`` replicas: per fragment, a
     reduce-scatter of the padded fragment and an all-gather of one block (``leaves``: the
-    parameters' leaves, arrays or shapes with dtypes)."""
+    parameters' leaves, arrays or shapes with dtypes). With ``model_sharding`` each of a replica's
+    devices does this for its own blocks, group by group of leaves split over the same axes."""
     out = {}
     for f, part in enumerate(fragments):
         mine = [leaves[i] for i in part]
         dtype = jnp.result_type(*[x.dtype for x in mine])
-        block = _block_size(mine, num_shards)
-        out[_sharded_kind("reduce_scatter", fragments, f, dtype)] = block * num_shards * dtype.itemsize
-        out[_sharded_kind("all_gather", fragments, f, dtype)] = block * dtype.itemsize
+        if model_sharding is None:
+            blocks, devices = [_block_size(mine, num_shards)], 1
+        else:
+            params = jax.tree.unflatten(jax.tree.structure(model_sharding.specs, is_leaf=_is_spec), leaves)
+            local = jax.tree.leaves(model_sharding.blocks(params))
+            groups = model_groups(model_sharding, params, part)
+            blocks = [_block_size([local[i] for i in ix], num_shards) for _, ix in groups]
+            devices = model_sharding.devices
+        out[_sharded_kind("reduce_scatter", fragments, f, dtype)] = (
+            devices * sum(blocks) * num_shards * dtype.itemsize
+        )
+        out[_sharded_kind("all_gather", fragments, f, dtype)] = devices * sum(blocks) * dtype.itemsize
     return out
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
 
 
 @configured("outer_sync")
@@ -110,6 +138,7 @@ def outer_sync(
     blend: float = 0.0,
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
+    model_sharding: ModelSharding | None = None,
     dtype: Any = None,
     anchor_dtype: Any = "float32",
     anchor_after_first_step: bool = False,
@@ -161,6 +190,12 @@ def outer_sync(
         this replica's block, and an all-gather of the new anchor at the merge. Same numbers for
         element-wise outer optimizers (SGD, Nesterov, Adam), ``1/W`` of the outer memory.
         Incompatible with a custom ``reducer`` and with ``dtype``.
+      model_sharding: with ``num_shards``, how the parameters are split over model axes inside
+        each replica (``optaxdist.ModelSharding``): each device flattens its own blocks of a
+        fragment, group by group of leaves split over the same model axes, so nothing is gathered
+        over a model axis and the anchor and outer-state blocks stay split like the parameters
+        (``1/(W·D)`` of the outer memory per device, ``D`` devices per replica). The default mode
+        needs none: its anchors and outer state are elementwise and stay split by themselves.
       dtype: wire dtype of the default mean (None: the parameters' dtype).
       anchor_dtype: the least dtype of the anchors ``x₀``, hence of the outer optimizer's state
         and of the pseudo-gradients: ``"float32"`` (default) keeps them in float32 for bfloat16 /
@@ -187,6 +222,16 @@ def outer_sync(
         check_int("num_shards", num_shards, 1)
         if reducer is not None or dtype is not None:
             raise ValueError("num_shards (memory-efficient mode) can't be combined with a reducer or a dtype")
+    if model_sharding is not None:
+        if not isinstance(model_sharding, ModelSharding):
+            raise TypeError(
+                f"model_sharding must be an optaxdist.ModelSharding or None, got {model_sharding!r}"
+            )
+        if num_shards is None:
+            raise ValueError(
+                "model_sharding is for the num_shards (memory-efficient) mode; the default mode's anchors "
+                "and outer state are elementwise and stay split like the parameters without it"
+            )
     if check_int("num_fragments", num_fragments, 1) and period % num_fragments:
         raise ValueError(f"num_fragments={num_fragments!r} must divide period={period}")
     stride = period // num_fragments
@@ -223,11 +268,30 @@ def outer_sync(
     def widen(tree):
         return jax.tree.map(lambda x: jnp.asarray(x).astype(anchor_type(x.dtype)), tree)
 
+    def shard_groups(params, part: tuple[int, ...]) -> list[tuple[tuple[str, ...], list[int]]]:
+        """The sharded mode's groups of a fragment's leaves, each flattened into one block per
+        replica: all of them, or with ``model_sharding`` one group per set of model axes that
+        split them (then each device flattens its own blocks; ``()``: replicated leaves)."""
+        if model_sharding is None:
+            return [((), list(part))]
+        return model_groups(model_sharding, params, part)
+
+    def on_blocks(fn, axes: tuple[str, ...], in_specs: tuple[Any, ...], out_specs: Any):
+        """``fn`` on each device's blocks of a group of leaves split over ``axes`` (a flat anchor
+        block is split over all of them: ``P(axes)``); itself for a group split over none."""
+        return on_shards(fn, model_sharding, in_specs, out_specs) if axes else fn
+
+    def leaf_specs(params, ix: list[int]) -> tuple[P, ...]:
+        if model_sharding is None:
+            return (P(),) * len(ix)
+        specs = jax.tree.leaves(model_sharding.specs_for(params), is_leaf=_is_spec)
+        return tuple(specs[i] for i in ix)
+
     def kinds(params, inner_state) -> dict[Kind, int]:
         del inner_state
         layout, leaves = layout_of(params), jax.tree.leaves(params)
         if sharded:
-            out = sharded_payloads(layout.fragments, leaves, num_shards)
+            out = sharded_payloads(layout.fragments, leaves, num_shards, model_sharding)
         elif reducer is None:
             out = {
                 Kind("all_reduce", _label(layout.fragments, f, mine, wire)): payload_bytes(mine, wire)
@@ -261,12 +325,21 @@ def outer_sync(
     def init_sync(params) -> OuterState:
         check_float_leaves(params, "outer_sync (diloco, slowmo, streaming_diloco)")
         layout = layout_of(params)
+        leaves = jax.tree.leaves(params)
         anchors = []
         for part in layout.fragments:
             mine = fragment(params, part)
             if sharded:  # filled from the parameters on the first step, where comm.index() is known
-                leaves = jax.tree.leaves(mine)
-                anchors.append(jnp.zeros((block_size(leaves),), anchor_type(flat_dtype(leaves))))
+                dtype = anchor_type(flat_dtype(jax.tree.leaves(mine)))
+
+                def zeros(*mine, dtype=dtype):  # made per device: split like the blocks will be
+                    return jnp.zeros((block_size(mine),), dtype)
+
+                blocks = tuple(
+                    on_blocks(zeros, axes, leaf_specs(params, ix), P(axes))(*[leaves[i] for i in ix])
+                    for axes, ix in shard_groups(params, part)
+                )
+                anchors.append(blocks if model_sharding else blocks[0])
             else:  # copies, not aliases: callers may donate params and state to the same jitted step
                 anchors.append(jax.tree.map(lambda x: jnp.array(x, anchor_type(x.dtype), copy=True), mine))
         return OuterState(
@@ -276,13 +349,24 @@ def outer_sync(
             reducer_states=tuple(reducer.init(a) for a in anchors) if reducer is not None else (),
         )
 
-    def my_block(leaves) -> jax.Array:
+    def my_blocks(values, part: tuple[int, ...]) -> Any:
+        """This replica's block of the fragment (a tuple of blocks under ``model_sharding``)."""
         if comm.size != num_shards:
             raise ValueError(f"num_shards={num_shards} must equal the group size {comm.size}")
-        block = block_size(leaves)
-        flat = ravel_pytree(leaves)[0].astype(anchor_type(flat_dtype(leaves)))
-        padded = jnp.pad(flat, (0, block * num_shards - flat.shape[0]))
-        return jax.lax.dynamic_slice(padded, (comm.index() * block,), (block,))
+        leaves = jax.tree.leaves(values)
+        dtype = anchor_type(flat_dtype([leaves[i] for i in part]))
+
+        def cut(*mine):
+            block = block_size(mine)
+            flat = ravel_pytree(list(mine))[0].astype(dtype)
+            padded = jnp.pad(flat, (0, block * num_shards - flat.shape[0]))
+            return jax.lax.dynamic_slice(padded, (comm.index() * block,), (block,))
+
+        blocks = tuple(
+            on_blocks(cut, axes, leaf_specs(values, ix), P(axes))(*[leaves[i] for i in ix])
+            for axes, ix in shard_groups(values, part)
+        )
+        return blocks if model_sharding else blocks[0]
 
     def begin(x: SyncInput) -> SyncInput:
         """The anchors, when the local steps start: the parameters (this replica's blocks when
@@ -293,8 +377,7 @@ def outer_sync(
             x = x._replace(ledger=x.ledger.record(kind_name("all_reduce", x.params, label="anchor_average")))
         anchors = []
         for part in checked_layout(x).fragments:
-            mine = fragment(values, part)
-            anchors.append(my_block(jax.tree.leaves(mine)) if sharded else widen(mine))
+            anchors.append(my_blocks(values, part) if sharded else widen(fragment(values, part)))
         return x._replace(sync_state=x.sync_state._replace(anchors=tuple(anchors)))
 
     def sync(f: int):
@@ -306,10 +389,23 @@ def outer_sync(
             reducer_states = list(state.reducer_states)
             if sharded:  # the wire carries the parameters' dtype, the sum lands in the anchor's
                 on_wire = flat_dtype(jax.tree.leaves(local))
-                flat = ravel_pytree(local)[0].astype(on_wire)
-                padded = jnp.pad(flat, (0, anchor.shape[0] * num_shards - flat.shape[0]))
-                total = comm.psum_scatter(padded).astype(anchor.dtype)
-                delta = anchor - total / jnp.asarray(num_shards, anchor.dtype)
+                leaves = jax.tree.leaves(x.local)
+
+                def scatter(block, *mine):
+                    flat = ravel_pytree(list(mine))[0].astype(on_wire)
+                    padded = jnp.pad(flat, (0, block.shape[0] * num_shards - flat.shape[0]))
+                    total = comm.psum_scatter(padded).astype(block.dtype)
+                    return block - total / jnp.asarray(num_shards, block.dtype)
+
+                groups = shard_groups(x.local, layout.fragments[f])
+                blocks = anchor if model_sharding else (anchor,)
+                deltas = tuple(
+                    on_blocks(scatter, axes, (P(axes), *leaf_specs(x.local, ix)), P(axes))(
+                        block, *[leaves[i] for i in ix]
+                    )
+                    for (axes, ix), block in zip(groups, blocks)
+                )
+                delta = deltas if model_sharding else deltas[0]
                 ledger = ledger.record(_sharded_kind("reduce_scatter", layout.fragments, f, on_wire))
             else:
                 pseudo = jax.tree.map(lambda a, v: a - v.astype(a.dtype), anchor, local)
@@ -345,11 +441,19 @@ def outer_sync(
             values, treedef = jax.tree.flatten(x.local)
             anchor, ledger = jax.tree.leaves(state.anchors[f]), x.ledger
             if sharded:
-                mine = [values[i] for i in part]
-                on_wire = flat_dtype(mine)
-                unravel = ravel_pytree(mine)[1]
-                gathered = comm.all_gather(state.anchors[f].astype(on_wire)).reshape(-1)
-                anchor = unravel(gathered[: sum(v.size for v in mine)])
+                on_wire = flat_dtype([values[i] for i in part])
+
+                def gather(block, *mine):
+                    flat = comm.all_gather(block.astype(on_wire)).reshape(-1)
+                    return ravel_pytree(list(mine))[1](flat[: sum(v.size for v in mine)])
+
+                blocks = state.anchors[f] if model_sharding else (state.anchors[f],)
+                merged: dict[int, jax.Array] = {}
+                for (axes, ix), block in zip(shard_groups(x.local, part), blocks):
+                    specs = leaf_specs(x.local, ix)
+                    gathered = on_blocks(gather, axes, (P(axes), *specs), list(specs))
+                    merged.update(zip(ix, gathered(block, *[values[i] for i in ix])))
+                anchor = [merged[i] for i in part]
                 ledger = ledger.record(_sharded_kind("all_gather", state.layout.fragments, f, on_wire))
             for i, a in zip(part, anchor):
                 mixed = blend * values[i].astype(a.dtype) + (1 - blend) * a
@@ -404,6 +508,7 @@ def diloco(
     period: int,
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
+    model_sharding: ModelSharding | None = None,
     dtype: Any = None,
     anchor_dtype: Any = "float32",
     warmup_steps: int = 0,
@@ -435,7 +540,8 @@ def diloco(
         momentum 0.9).
       comm: all replicas.
       period: H, local steps between syncs (DiLoCo: 500).
-      reducer, num_shards, dtype, anchor_dtype, warmup_steps, check_start, nonfinite, exact_sync: see
+      reducer, num_shards, model_sharding, dtype, anchor_dtype, warmup_steps, check_start, nonfinite,
+        exact_sync: see
         ``outer_sync`` (16-bit parameters get float32 anchors and outer momentum by default).
 
     Example:
@@ -452,6 +558,7 @@ def diloco(
         period=period,
         reducer=reducer,
         num_shards=num_shards,
+        model_sharding=model_sharding,
         dtype=dtype,
         anchor_dtype=anchor_dtype,
         warmup_steps=warmup_steps,
@@ -501,6 +608,7 @@ def slowmo(
     slow_lr: float = 1.0,
     anchor_after_first_step: bool = False,
     num_shards: int | None = None,
+    model_sharding: ModelSharding | None = None,
     anchor_dtype: Any = "float32",
     warmup_steps: int = 0,
     check_start: bool = True,
@@ -535,6 +643,7 @@ def slowmo(
         own). Default: the parameters before training.
       num_shards: shard ``x₀`` and ``u`` over the ``num_shards = comm.size`` replicas (fairscale's
         ``memory_efficient``; static). None: every replica holds them whole.
+      model_sharding: with ``num_shards``, the parameters' split over model axes (``outer_sync``).
       anchor_dtype: the least dtype of ``x₀`` and ``u`` (float32: 16-bit parameters keep them in
         float32; None: the parameters' dtype).
       warmup_steps, check_start, nonfinite, exact_sync: the engine's options (``outer_sync``).
@@ -553,6 +662,7 @@ def slowmo(
         comm=comm,
         period=period,
         num_shards=num_shards,
+        model_sharding=model_sharding,
         anchor_dtype=anchor_dtype,
         anchor_after_first_step=anchor_after_first_step,
         warmup_steps=warmup_steps,
