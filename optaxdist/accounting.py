@@ -78,7 +78,7 @@ def dtype_label(tree: PyTree, dtype: Any = None) -> str:
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "permute")
-SCOPES = ("world", "local", "cross")
+SCOPES = ("world", "local", "cross", "model")
 
 
 class Kind(str):
@@ -93,7 +93,9 @@ class Kind(str):
       payload: what is sent: a dtype label (``dtype_label``) or a short description.
       label: the name shown for the events (default: ``collective``), e.g. ``"param_average"``.
       scope: ``"world"`` (all replicas of the transform's ``comm``), ``"local"`` (the replicas of
-        one node, ``local_comm``) or ``"cross"`` (one replica per node, ``cross_comm``).
+        one node, ``local_comm``), ``"cross"`` (one replica per node, ``cross_comm``) or
+        ``"model"`` (between the devices of one replica, over its model axes: what an algorithm
+        adds to the model's own FSDP / tensor-parallel traffic, e.g. sharded PowerSGD's products).
     """
 
     collective: str

@@ -142,6 +142,13 @@ class ModelSharding:
         named = {a for entry in spec for a in _dim_axes(entry)}
         return tuple(a for a in self.axes if a in named)
 
+    def matrix_axes(self, spec: P, ndim: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The model axes that split the rows and the columns of a leaf's matrix view (all
+        dimensions but the last are rows): rows in mesh order, columns as the spec names them."""
+        entries = list(spec) + [None] * (ndim - len(spec))
+        rows = {a for e in entries[:-1] for a in _dim_axes(e)}
+        return tuple(a for a in self.axes if a in rows), _dim_axes(entries[-1]) if ndim else ()
+
     def groups(self, tree: PyTree) -> dict[tuple[str, ...], list[int]]:
         """The leaves of ``tree`` (indices into its flattened leaves) by the model axes that split
         them, in order of first appearance."""

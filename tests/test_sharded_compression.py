@@ -75,7 +75,7 @@ _BYTES = {"f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2, "u16": 2, "u8": 1, 
 
 def collectives_by_axis(compiled_text: str, mesh) -> dict[str, list[tuple[str, int]]]:
     """``{"replica": [...], "model": [...]}``: (op, result bytes on one device) of each collective,
-    by the mesh axis its groups run along."""
+    by the mesh axes its groups run along (the first axis, or the others)."""
     position = {int(d.id): idx for idx, d in np.ndenumerate(mesh.devices)}
     out = {"replica": [], "model": []}
     for line in compiled_text.splitlines():
@@ -88,7 +88,7 @@ def collectives_by_axis(compiled_text: str, mesh) -> dict[str, list[tuple[str, i
         )
         groups = [[position[d] for d in g] for g in _groups(line)]
         same_replica = all(len({p[0] for p in g}) == 1 for g in groups)
-        same_model = all(len({p[1] for p in g}) == 1 for g in groups)
+        same_model = all(len({p[1:] for p in g}) == 1 for g in groups)  # every model axis
         assert same_replica != same_model, f"a collective over both axes: {line}"
         out["model" if same_replica else "replica"].append((m.group(2), nbytes))
     return out
@@ -229,3 +229,71 @@ def test_bad_model_sharding_is_refused_clearly():
     run = od.on_mesh(lambda g: tx.update(g, tx.init(g))[0], mesh, axis_name=(od.REPLICA_AXIS, "model"))
     with pytest.raises(ValueError, match=r"model axes \['model'\] of the ModelSharding are manual"):
         run(jax.tree.map(lambda x: jnp.concatenate([x, x]), grads))
+
+
+@pytest.mark.parametrize(
+    "axes, specs",
+    [
+        (("model",), {"w1": P(None, "model"), "w2": P("model", None), "b": P()}),
+        pytest.param(
+            ("fsdp", "tensor"),
+            {"w1": P("fsdp", "tensor"), "w2": P("fsdp", None), "b": P()},
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["rows-and-columns", "two-model-axes"],
+)
+def test_powersgd_with_model_sharding_sends_what_its_ledger_says(axes, specs):
+    """Each device multiplies its own block; the sums over the model axes are explicit and in the
+    ledger (scope "model"); a factor block the same on several devices is sent between replicas
+    once, in pieces; the numbers are PowerSGD's on the whole matrices."""
+    replicas = 2
+    shape = (replicas,) + (2,) * len(axes) if len(axes) > 1 else (replicas, 4)
+    devices = np.asarray(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    names = (od.REPLICA_AXIS, *axes)
+    mesh = jax.sharding.Mesh(devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    grads = {
+        "w1": jax.random.normal(k1, (replicas, 64, 128)),
+        "w2": jax.random.normal(k2, (replicas, 128, 64)),
+        "b": jax.random.normal(k3, (replicas, 64)),
+    }
+    sharding = od.ModelSharding.from_mesh(mesh, specs, od.REPLICA_AXIS)
+    tx = od.powersgd(comm=COMM, rank=2, warmup_steps=1, model_sharding=sharding)
+    plain = od.powersgd(comm=COMM, rank=2, warmup_steps=1)
+
+    def step(tx):
+        return lambda g, s: tx.update(g, s)
+
+    placed = jax.device_put(grads, {k: NamedSharding(mesh, P(od.REPLICA_AXIS, *specs[k])) for k in grads})
+    s_mesh = od.on_mesh(tx.init, mesh, axis_name=od.REPLICA_AXIS)(placed)
+    run = od.on_mesh(step(tx), mesh, axis_name=od.REPLICA_AXIS)
+    s_sim, s_plain = od.simulate(tx.init)(grads), od.simulate(plain.init)(grads)
+    for i in range(3):  # a warm-up step, then compressed ones
+        g = jax.tree.map(lambda x, scale=1.0 + i: x * scale, grads)
+        u_mesh, s_mesh = run(jax.device_put(g, jax.tree.map(lambda x: x.sharding, placed)), s_mesh)
+        u_sim, s_sim = od.simulate(step(tx))(g, s_sim)
+        u_plain, s_plain = od.simulate(step(plain))(g, s_plain)
+    _close(u_mesh, u_sim, atol=1e-5)
+    _close(u_sim, u_plain, atol=1e-5)
+    assert s_mesh.powersgd_error[0].sharding.spec == P(
+        od.REPLICA_AXIS, None, *sharding.matrix_axes(specs["w1"], 2)
+    )
+    assert s_mesh.powersgd_q[0].sharding.spec == P(od.REPLICA_AXIS, None, specs["w1"][1])
+
+    text = run.lower(placed, s_mesh).compile().as_text()
+    by_axis = collectives_by_axis(text, mesh)
+    d = sharding.devices
+    ledger = s_mesh.powersgd_ledger
+    stats = dict(zip(ledger.kinds, ledger.payloads))  # bytes of one event of each kind
+    compressed = stats["powersgd_p[float32]"] + stats["powersgd_q[float32]"] + stats["all_reduce[float32]"]
+    warmup = stats["powersgd_warmup[float32]"]
+    replica = sorted(b for op, b in by_axis["replica"] if op == "all-reduce")
+    assert d * sum(replica) == compressed + warmup  # both branches of the step, as the ledger says
+    model = [(op, b) for op, b in by_axis["model"]]
+    sums = sum(b for op, b in model if op == "all-reduce" and b > 4 * 2 * 3)  # not Gram–Schmidt's
+    assert d * sums == stats["model:powersgd_p[float32]"] + stats.get("model:powersgd_q[float32]", 0)
+    members = shape[-1]  # every model axis here has the same size: each member hands 1/size
+    gathered = sum(b // members for op, b in model if op == "all-gather")
+    assert d * gathered == stats.get("model:powersgd_factors[float32]", 0)
+    assert all(op in ("all-reduce", "all-gather") for op, _ in model), model

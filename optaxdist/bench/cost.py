@@ -125,6 +125,8 @@ def group_and_link(kind: Kind, n: int, nodes: int, network: str | Network) -> tu
     ``nodes``; the rest a flat ring over all ``n`` bound by ``link_for(network, nodes)``."""
     if kind.scope == "local":
         return n // nodes, NETWORKS["nvlink"]
+    if kind.scope == "model":  # inside a replica, like the model's own FSDP / TP traffic: not modelled
+        return 1, NETWORKS["nvlink"]
     if kind.scope == "cross":
         return nodes, link_for(network, nodes)
     return n, link_for(network, nodes)
@@ -164,7 +166,7 @@ def split_bytes(by_kind: Mapping[Kind, tuple[int, int]], nodes: int) -> tuple[in
     inter-node; flat kinds cross nodes whenever there is more than one node."""
     intra = inter = 0
     for kind, (_, nbytes) in by_kind.items():
-        if kind.scope == "local" or (kind.scope == "world" and nodes == 1):
+        if kind.scope in ("local", "model") or (kind.scope == "world" and nodes == 1):
             intra += nbytes
         else:
             inter += nbytes

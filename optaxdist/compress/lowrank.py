@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -24,6 +25,8 @@ class LowRankGroup:
     r: int
     dtype: jnp.dtype  # the gradient dtype of every member
     leaves: tuple[int, ...]  # indices into the flattened gradient leaves
+    # under model sharding: the model axes that split the members' rows and their columns
+    split: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,12 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.prod(shape[:-1]), shape[-1]
 
 
-def make_plan(leaves, rank: int, min_compression_rate: float, batch_same_shape: bool) -> LowRankPlan:
+def make_plan(
+    leaves, rank: int, min_compression_rate: float, batch_same_shape: bool, splits=None
+) -> LowRankPlan:
+    """``splits``: per leaf, the model axes that split its matrix's rows and columns (members of a
+    group share them); None: no model sharding."""
+    splits = splits or [((), ())] * len(leaves)
     shapes = tuple(tuple(int(d) for d in x.shape) for x in leaves)
     dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
     groups: dict[Any, list] = {}
@@ -65,12 +73,12 @@ def make_plan(leaves, rank: int, min_compression_rate: float, batch_same_shape: 
         if not (n + m) * r * min_compression_rate < n * m:
             exact.append(i)
             continue
-        key = (n, m, dt) if batch_same_shape else i
-        groups.setdefault(key, [n, m, r, dt, []])[4].append(i)
+        key = (n, m, dt, splits[i]) if batch_same_shape else i
+        groups.setdefault(key, [n, m, r, dt, [], splits[i]])[4].append(i)
     return LowRankPlan(
         shapes,
         dtypes,
-        tuple(LowRankGroup(n, m, r, dt, tuple(ix)) for n, m, r, dt, ix in groups.values()),
+        tuple(LowRankGroup(n, m, r, dt, tuple(ix), sp) for n, m, r, dt, ix, sp in groups.values()),
         tuple(exact),
     )
 
@@ -94,7 +102,9 @@ def initial_q(seed: int, group: LowRankGroup) -> np.ndarray:
     )
 
 
-def orthonormalize(a: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
+def orthonormalize(
+    a: jax.Array, epsilon: float, sum_rows: Callable[[jax.Array], jax.Array] = lambda x: x
+) -> tuple[jax.Array, jax.Array]:
     """Gram–Schmidt with re-orthogonalization on the columns of ``a`` (``(..., k, r)``, float32).
 
     Column ``i`` loses its projection on the finished columns ``0..i−1`` twice, then is divided by
@@ -102,7 +112,9 @@ def orthonormalize(a: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
     otherwise it becomes exactly zero (Kahan–Parlett "twice is enough": a column that loses more
     than half its norm in the second pass is rounding noise in the span of the previous columns).
     So the output columns are orthonormal to float32 precision or zero, never NaN, and ``A Aᵀ``
-    is an orthogonal projection.
+    is an orthogonal projection. ``sum_rows`` completes a sum over this block's rows into one over
+    all of them, where the rows are split over model axes (a ``psum`` over them: ``r + 1`` scalars
+    per column and pass).
 
     Returns:
       The orthonormalized ``a`` and a ``(..., r)`` bool array: which columns were kept (norm > ε).
@@ -114,9 +126,9 @@ def orthonormalize(a: jax.Array, epsilon: float) -> tuple[jax.Array, jax.Array]:
         v = jax.lax.dynamic_index_in_dim(a, i, axis=-1, keepdims=False)
         norms = []
         for _ in range(2):  # columns ≥ i of ``out`` are still zero: they remove nothing
-            coef = jnp.einsum("...kr,...k->...r", out, v, precision=HIGHEST)
+            coef = sum_rows(jnp.einsum("...kr,...k->...r", out, v, precision=HIGHEST))
             v = v - jnp.einsum("...kr,...r->...k", out, coef, precision=HIGHEST)
-            norms.append(jnp.sqrt(jnp.sum(v * v, axis=-1, keepdims=True)))
+            norms.append(jnp.sqrt(sum_rows(jnp.sum(v * v, axis=-1, keepdims=True))))
         norm = norms[1]
         # Kahan–Parlett: a second pass that removes more than half the norm means the column was
         # rounding noise inside the span of the previous ones: it is dependent, drop it.

@@ -9,29 +9,41 @@ listed in ``docs/transforms/powersgd.md``.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
+from optaxdist._compat import all_gather_invariant, manual_axes
 from optaxdist.accounting import CommLedger, Kind, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.compress.lowrank import (
     F32,
     HIGHEST,
+    LowRankGroup,
     LowRankPlan,
     draw_q,
     initial_q,
     make_plan,
+    matrix_shape,
     orthonormalize,
     vary_like,
 )
+from optaxdist.sharding import ModelSharding, on_shards
 from optaxdist.transforms._checks import check_bools, check_comm, check_int, check_number, check_warmup_steps
 
 P_KIND = Kind("all_reduce", "float32", label="powersgd_p")
 Q_KIND = Kind("all_reduce", "float32", label="powersgd_q")
+# under model sharding, the sums that complete a block's products over the model axes
+MODEL_P_KIND = Kind("all_reduce", "float32", label="powersgd_p", scope="model")
+MODEL_Q_KIND = Kind("all_reduce", "float32", label="powersgd_q", scope="model")
+MODEL_ORTH_KIND = Kind("all_reduce", "float32", label="powersgd_orth", scope="model")
+MODEL_GATHER_KIND = Kind("all_gather", "float32", label="powersgd_factors", scope="model")
+MODEL_KINDS = (MODEL_P_KIND, MODEL_Q_KIND, MODEL_ORTH_KIND, MODEL_GATHER_KIND)
 
 
 class PowerSgdState(NamedTuple):
@@ -58,19 +70,65 @@ class PowerSgdState(NamedTuple):
     powersgd_ledger: CommLedger
 
 
-def _kinds(plan: LowRankPlan, warmup_steps: int) -> dict[Kind, int]:
-    """Ledger kinds with the static payload (bytes) of one event of each."""
+def _spread(sharding: ModelSharding | None, g: LowRankGroup, side: int) -> tuple[str, ...]:
+    """The model axes a device's factor block (side 0: ``P``'s rows, 1: ``Q``'s) is the same on:
+    those that do not split that side of the matrices. Each device sends ``1/k`` of it."""
+    return tuple(a for a in sharding.axes if a not in g.split[side]) if sharding else ()
+
+
+def _pieces(sharding: ModelSharding | None, g: LowRankGroup, side: int, block: int) -> tuple[int, list[int]]:
+    """Elements of the piece of a factor block of ``block`` elements one device all-reduces
+    between replicas, and what it hands to each all-gather (one per spread axis) that joins them."""
+    sizes = dict(sharding.axis_sizes) if sharding else {}
+    spread = _spread(sharding, g, side)
+    piece = -(-block // math.prod(sizes[a] for a in spread))
+    gathers, joined = [], piece
+    for a in reversed(spread):
+        gathers.append(joined)
+        joined *= sizes[a]
+    return piece, gathers
+
+
+def _kinds(
+    plan: LowRankPlan, warmup_steps: int, sharding: ModelSharding | None = None, local=None
+) -> dict[Kind, int]:
+    """Ledger kinds with the static payload (bytes) of one event of each. Under model sharding
+    (``local``: each leaf's block shape) the sum over a replica's devices of what each sends: its
+    piece of the factors between replicas, and the sums and gathers over the model axes (scope
+    ``"model"``)."""
+    local = local or plan.shapes
+    devices = sharding.devices if sharding else 1
+
+    def numel(ix) -> int:
+        return devices * sum(math.prod(local[i]) for i in ix)
+
+    def block(g, side: int) -> int:  # one device's P (side 0: rows) or Q (side 1: columns)
+        return len(g.leaves) * matrix_shape(local[g.leaves[0]])[side] * g.r
+
     kinds = {}
     if plan.groups:
-        kinds[P_KIND] = 4 * sum(len(g.leaves) * g.n * g.r for g in plan.groups)
-        kinds[Q_KIND] = 4 * sum(len(g.leaves) * g.m * g.r for g in plan.groups)
+        pieces = {
+            (g, side): _pieces(sharding, g, side, block(g, side)) for g in plan.groups for side in (0, 1)
+        }
+        kinds[P_KIND] = 4 * devices * sum(pieces[g, 0][0] for g in plan.groups)
+        kinds[Q_KIND] = 4 * devices * sum(pieces[g, 1][0] for g in plan.groups)
+        model = {
+            MODEL_P_KIND: sum(block(g, 0) for g in plan.groups if g.split[1]),  # M Q over columns
+            MODEL_Q_KIND: sum(block(g, 1) for g in plan.groups if g.split[0]),  # Mᵀ P over rows
+            # Gram–Schmidt of Q (columns split) and of P (rows split): per column and pass, r dot
+            # products and a squared norm
+            MODEL_ORTH_KIND: sum(
+                (bool(g.split[0]) + bool(g.split[1])) * g.r * 2 * len(g.leaves) * (g.r + 1)
+                for g in plan.groups
+            ),
+            MODEL_GATHER_KIND: sum(sum(gathers) for _, gathers in pieces.values()),
+        }
+        kinds.update({k: 4 * devices * n for k, n in model.items() if n})
     for dt, ix in plan.by_dtype(plan.exact).items():
-        kinds[Kind("all_reduce", dt.name)] = sum(plan.numel(i) for i in ix) * dt.itemsize
+        kinds[Kind("all_reduce", dt.name)] = numel(ix) * dt.itemsize
     if warmup_steps > 0:
         for dt, ix in plan.by_dtype(range(len(plan.shapes))).items():
-            kinds[Kind("all_reduce", dt.name, label="powersgd_warmup")] = (
-                sum(plan.numel(i) for i in ix) * dt.itemsize
-            )
+            kinds[Kind("all_reduce", dt.name, label="powersgd_warmup")] = numel(ix) * dt.itemsize
     return kinds
 
 
@@ -98,6 +156,7 @@ def powersgd(
     seed: int = 0,
     batch_same_shape: bool = True,
     compress_single_replica: bool = False,
+    model_sharding: ModelSharding | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""PowerSGD: all-reduce a rank-``r`` approximation of the mean gradient, with error feedback.
 
@@ -162,6 +221,14 @@ def powersgd(
       seed: seed of the random :math:`Q` draws (PyTorch's ``random_seed``, 0).
       batch_same_shape: stack same-shaped matrices and use batched matmuls (speed only).
       compress_single_replica: compress even with one replica (PyTorch does; mlbench does not).
+      model_sharding: how the parameters are split over model axes inside each replica
+        (``optaxdist.ModelSharding``). Each device then computes the products of its own block of
+        every matrix, with explicit sums over the model axes that split its rows (``MᵀP`` and
+        ``P``'s Gram–Schmidt) or its columns (``MQ`` and ``Q``'s Gram–Schmidt): the numbers of
+        PowerSGD on the whole matrices, nothing gathered, ``Q`` and the residuals split like the
+        parameters; those sums are in the ledger with scope ``"model"``. Leaves are grouped by
+        shape and split. Without it the compiler places the same computation by itself (the same
+        numbers, its own choice of model-axis collectives, not in the ledger).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, optaxdist
@@ -194,14 +261,41 @@ def powersgd(
         batch_same_shape=batch_same_shape,
         compress_single_replica=compress_single_replica,
     )
+    if model_sharding is not None and not isinstance(model_sharding, ModelSharding):
+        raise TypeError(f"model_sharding must be an optaxdist.ModelSharding or None, got {model_sharding!r}")
     eps = float(orthogonalization_epsilon)
 
-    def plan_of(leaves) -> LowRankPlan:
-        return make_plan(leaves, rank, float(min_compression_rate), batch_same_shape)
+    def specs_of(tree) -> list[P]:
+        return jax.tree.leaves(model_sharding.specs_for(tree), is_leaf=lambda x: isinstance(x, P))
+
+    def plan_of(tree) -> LowRankPlan:
+        leaves = jax.tree.leaves(tree)
+        splits = None
+        if model_sharding is not None:
+            splits = [model_sharding.matrix_axes(sp, jnp.ndim(x)) for sp, x in zip(specs_of(tree), leaves)]
+        return make_plan(leaves, rank, float(min_compression_rate), batch_same_shape, splits)
+
+    def kinds_of(tree, plan: LowRankPlan) -> dict[Kind, int]:
+        if model_sharding is None:
+            return _kinds(plan, warmup_steps)
+        local = tuple(x.shape for x in jax.tree.leaves(model_sharding.blocks(tree)))
+        return _kinds(plan, warmup_steps, model_sharding, local)
+
+    def mean_of(leaves: list[jax.Array]) -> list[jax.Array]:
+        """The replicas' mean of each leaf, one all-reduce per dtype (per leaf under model
+        sharding: concatenating split leaves would gather them over the model axes)."""
+        if model_sharding is not None:
+            return comm.pmean(leaves)
+        out, by_dtype = list(leaves), {}
+        for i, x in enumerate(leaves):
+            by_dtype.setdefault(x.dtype, []).append(i)
+        for ix in by_dtype.values():
+            for i, x in zip(ix, _fused_psum(comm, [leaves[i] for i in ix], mean=True)):
+                out[i] = x
+        return out
 
     def init_fn(params):
-        leaves = jax.tree.leaves(params)
-        plan = plan_of(leaves)
+        plan = plan_of(params)
         qs = tuple(jnp.asarray(initial_q(seed, g)) for g in plan.groups)
         errors = ()
         if error_feedback:
@@ -210,21 +304,18 @@ def powersgd(
             powersgd_step=jnp.zeros((), jnp.int32),
             powersgd_q=qs,
             powersgd_error=errors,
-            powersgd_ledger=CommLedger.create(_kinds(plan, warmup_steps)),
+            powersgd_ledger=CommLedger.create(kinds_of(params, plan)),
         )
 
     def exact_step(plan: LowRankPlan, leaves):
-        out = list(leaves)
-        for ix in plan.by_dtype(range(len(leaves))).values():
-            for i, x in zip(ix, _fused_psum(comm, [leaves[i] for i in ix], mean=True)):
-                out[i] = x
-        return out
+        return mean_of(leaves)
 
-    def compressed_step(plan: LowRankPlan, leaves, state: PowerSgdState, step):
+    def compressed_step(plan: LowRankPlan, leaves, state: PowerSgdState, step, specs=None):
         out = list(leaves)
-        for ix in plan.by_dtype(plan.exact).values():
-            for i, x in zip(ix, _fused_psum(comm, [leaves[i] for i in ix], mean=True)):
-                out[i] = x
+        for i, x in zip(plan.exact, mean_of([leaves[i] for i in plan.exact])):
+            out[i] = x
+        if specs is not None:
+            return sharded_compressed_step(plan, leaves, out, state, step, specs)
 
         ms, q_starts = [], []
         for k, g in enumerate(plan.groups):
@@ -268,11 +359,82 @@ def powersgd(
             vary_like(tuple(errors), state.powersgd_error),
         )
 
+    def sharded_compressed_step(plan: LowRankPlan, leaves, out, state: PowerSgdState, step, specs):
+        """``compressed_step`` on each device's blocks: ``M`` is ``(B, n/R, m/C)`` when the
+        matrices' rows are split over ``R`` devices and their columns over ``C``."""
+        sizes = dict(model_sharding.axis_sizes)
+
+        def between_replicas(x, g, side: int, reduce):
+            """``reduce`` (the replicas' sum or mean) of a factor block that is the same on the
+            spread axes: each device reduces its piece, the pieces are gathered back over them."""
+            spread = _spread(model_sharding, g, side)
+            piece, _ = _pieces(model_sharding, g, side, x.size)
+            flat = jnp.pad(x.reshape(-1), (0, piece * math.prod(sizes[a] for a in spread) - x.size))
+            out = reduce(jax.lax.dynamic_slice(flat, (model_sharding.block_index(spread) * piece,), (piece,)))
+            for a in reversed(spread):
+                # typed invariant under shard_map (Q and P leave it unsplit); vmap has no such types
+                gather = all_gather_invariant if a in manual_axes() else jax.lax.all_gather
+                out = gather(out, a).reshape(-1)
+            return out[: x.size].reshape(x.shape)
+
+        qs, errors = [], []
+        for k, g in enumerate(plan.groups):
+            rows, cols = g.split
+
+            def sum_rows(x, rows=rows):
+                return jax.lax.psum(x, rows) if rows else x
+
+            def sum_cols(x, cols=cols):
+                return jax.lax.psum(x, cols) if cols else x
+
+            def run(q, restart, error, *members, g=g, sum_rows=sum_rows, sum_cols=sum_cols):
+                m = jnp.stack([x.astype(F32).reshape(matrix_shape(x.shape)) for x in members])
+                if error_feedback:
+                    m = m + error[0]
+                q, kept = orthonormalize(q, eps, sum_cols)  # Q's rows are M's columns
+                if warm_start:
+                    q = jnp.where(jnp.all(kept, axis=-1)[:, None, None], q, restart[0])
+                p = sum_cols(jnp.einsum("bnm,bmr->bnr", m, q, precision=HIGHEST))
+                p = orthonormalize(between_replicas(p, g, 0, comm.psum), eps, sum_rows)[0]
+                q = sum_rows(jnp.einsum("bnm,bnr->bmr", m, p, precision=HIGHEST))
+                q = between_replicas(q, g, 1, comm.pmean)
+                sent = [jnp.matmul(pb, qb.T, precision=HIGHEST).astype(g.dtype) for pb, qb in zip(p, q)]
+                residual = (m - jnp.stack(sent).astype(F32),) if error_feedback else ()
+                return [u.reshape(x.shape) for u, x in zip(sent, members)], q, residual
+
+            if warm_start:
+                with jax.ensure_compile_time_eval():  # a constant: computed once, at trace time
+                    restart = (orthonormalize(jnp.asarray(initial_q(seed, g)), eps)[0],)
+                q = state.powersgd_q[k]
+            else:
+                restart, q = (), jnp.stack([draw_q(seed, i, step, g.m, g.r) for i in g.leaves])
+            error = (state.powersgd_error[k],) if error_feedback else ()
+            q_spec, e_spec = P(None, cols or None, None), P(None, rows or None, cols or None)
+            member_specs = [specs[i] for i in g.leaves]
+            run = on_shards(
+                run,
+                model_sharding,
+                (q_spec, (q_spec,) * len(restart), (e_spec,) * len(error), *member_specs),
+                (member_specs, q_spec, (e_spec,) * len(error)),
+            )
+            sent, q, residual = run(q, restart, error, *[leaves[i] for i in g.leaves])
+            out = list(out)
+            for i, u in zip(g.leaves, sent):
+                out[i] = u
+            qs.append(q)
+            errors.extend(per_replica(e, comm) for e in residual)
+        return (
+            out,
+            vary_like(tuple(qs), state.powersgd_q),
+            vary_like(tuple(errors), state.powersgd_error),
+        )
+
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         leaves, treedef = jax.tree.flatten(updates)
         leaves = [jnp.asarray(x) for x in leaves]
-        plan = plan_of(leaves)
+        plan = plan_of(updates)
+        specs = specs_of(updates) if model_sharding is not None else None
         have = [q.shape for q in state.powersgd_q] + [e.shape for e in state.powersgd_error]
         want = [(len(g.leaves), g.m, g.r) for g in plan.groups]
         if error_feedback:
@@ -290,7 +452,7 @@ def powersgd(
             return updates, state._replace(powersgd_step=next_step)
 
         def compressed(_):
-            return compressed_step(plan, leaves, state, step)
+            return compressed_step(plan, leaves, state, step, specs)
 
         if warmup_steps > 0:
             warmup = step < warmup_steps
@@ -309,6 +471,9 @@ def powersgd(
             compressing = 1
         if plan.groups:
             ledger = ledger.record(P_KIND, compressing).record(Q_KIND, compressing)
+            for kind in MODEL_KINDS:
+                if kind in ledger.kinds:
+                    ledger = ledger.record(kind, compressing)
         for dt in plan.by_dtype(plan.exact):
             ledger = ledger.record(Kind("all_reduce", dt.name), compressing)
 
