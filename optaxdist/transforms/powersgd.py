@@ -225,10 +225,13 @@ def powersgd(
         (``optaxdist.ModelSharding``). Each device then computes the products of its own block of
         every matrix, with explicit sums over the model axes that split its rows (``MᵀP`` and
         ``P``'s Gram–Schmidt) or its columns (``MQ`` and ``Q``'s Gram–Schmidt): the numbers of
-        PowerSGD on the whole matrices, nothing gathered, ``Q`` and the residuals split like the
-        parameters; those sums are in the ledger with scope ``"model"``. Leaves are grouped by
-        shape and split. Without it the compiler places the same computation by itself (the same
-        numbers, its own choice of model-axis collectives, not in the ledger).
+        PowerSGD on the whole matrices, no matrix gathered, ``Q`` and the residuals split like the
+        parameters. A factor block that is the same on several devices is all-reduced between
+        replicas in pieces, one per device, and gathered back, so each factor crosses the replica
+        axis once. The model-axis sums and gathers are in the ledger with scope ``"model"``.
+        Leaves are grouped by shape and split. Without it the compiler places the same
+        computation by itself (the same numbers, its own model-axis collectives, not in the
+        ledger).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, optaxdist
@@ -418,7 +421,6 @@ def powersgd(
                 (member_specs, q_spec, (e_spec,) * len(error)),
             )
             sent, q, residual = run(q, restart, error, *[leaves[i] for i in g.leaves])
-            out = list(out)
             for i, u in zip(g.leaves, sent):
                 out[i] = u
             qs.append(q)
