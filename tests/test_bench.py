@@ -394,3 +394,40 @@ def test_overhead_local_steps_rows(tmp_path, capsys):
     for name, buffers in expected.items():
         assert table[name]["buffer_bytes_per_param_byte"] == buffers, name
         assert table[name]["state_bytes"] == buffers * param_bytes + table[name]["fixed_state_bytes"]
+
+
+def test_sharded_suite_memory(tmp_path, capsys):
+    """``--suite sharded`` memory part at a tiny size: per-device bytes of the parameters, momentum
+    and error-feedback residuals fall as 1/|model| (the replicated bias and the counters excepted)."""
+    args = "--suite sharded --parts memory --sizes 4K --transforms topk-1%-ef --model-sizes 1,2,4 --quiet"
+    assert main(["bench", *args.split(), "--out", str(tmp_path)]) == 0
+    assert "| topk-1%-ef | 4       | 2 × 4 |" in capsys.readouterr().out
+    rec = json.loads((tmp_path / "sharded.json").read_text())
+    assert "training" not in rec
+    mem = {r["model"]: r for r in rec["memory"][0]["results"]}
+    assert set(mem) == {1, 2, 4}
+    side = rec["memory"][0]["model"]["shapes"]["b"][0]
+    kernels = 4 * 8 * side * side  # w1 and w2, float32
+    for m, r in mem.items():
+        assert r["params_bytes"] == kernels // m + 4 * side  # the bias is replicated
+        assert r["local_state_bytes"] == r["params_bytes"]  # momentum, split like the parameters
+        assert kernels // m <= r["algorithm_state_bytes"] - 4 * side < kernels // m + 64  # residuals
+        assert r["total_bytes"] == r["params_bytes"] + r["local_state_bytes"] + r["algorithm_state_bytes"]
+        assert abs(r["total_vs_smallest_model"] - 1 / m) < 0.02
+        if r["compiled"] is not None:  # the compiled step's arguments: the same state, and the batch
+            assert abs(r["compiled"]["arguments_without_batch"] - r["total_bytes"]) < 64
+
+
+@pytest.mark.slow  # about a minute: the transformer is compiled four times
+def test_sharded_suite_training(tmp_path):
+    """The training part at a tiny size: on the 4 × 2 FSDP mesh the parameters stay split, the
+    ledger is simulate's and, after a few steps, so are the parameters (to float32 rounding)."""
+    args = "--suite sharded --parts training --algorithms powersgd-r2 --steps 3 --batch-size 2"
+    args += " --d-model 16 --layers 1 --heads 2 --quiet"
+    assert main(["bench", *args.split(), "--out", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "sharded.json").read_text())
+    (row,) = rec["training"]["results"]
+    assert row["algorithm"] == "powersgd-r2" and row["mesh"]["params_still_split"]
+    assert abs(row["loss_difference"]) < 1e-5 and row["max_param_difference"] < 1e-5
+    assert row["mesh"]["ledger_bytes_per_replica"] == row["simulate"]["ledger_bytes_per_replica"] > 0
+    assert row["mesh"]["params_bytes"] < 0.6 * row["simulate"]["params_bytes"]

@@ -36,13 +36,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.add_argument(
         "--suite",
-        choices=("train", "overhead", "compression-cost", "network"),
+        choices=("train", "overhead", "compression-cost", "network", "sharded"),
         default="train",
         help="train: the algorithm table; overhead: allreduce+sgd vs lax.pmean+sgd, and the "
         "local/sync steps of the periodic-sync transforms (--rows); "
         "compression-cost: compression compute per step (one replica) vs PyTorch's "
         "powerSGD_hook, with the modelled comm time; network: jax.distributed processes in "
-        "network namespaces on rate-limited links (root), measured step time and bytes on the wire",
+        "network namespaces on rate-limited links (root), measured step time and bytes on the wire; "
+        "sharded: on 8 forced CPU devices, per-device bytes of params and state with the model "
+        "split over |model| = 1, 2, 4 devices, and charlm training with FSDP inside 4 replicas vs "
+        "simulate",
     )
     b.add_argument("--dataset", choices=DATASETS, default="digits")
     b.add_argument("--replicas", type=int, default=8, help="simulated replicas N")
@@ -53,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
         help="iid: random split; skewed: sorted by label, then split",
     )
     b.add_argument("--batch-size", type=int, default=32, help="minibatch per replica")
-    b.add_argument("--steps", type=int, default=None, help="train: 500; network: 40 (timed steps)")
+    b.add_argument(
+        "--steps", type=int, default=None, help="train: 500; network: 40 (timed steps); sharded: 200"
+    )
     b.add_argument("--lr", type=float, default=0.05)
     b.add_argument("--momentum", type=float, default=0.9, help="of the local optax.sgd (β₁ for adamw)")
     b.add_argument(
@@ -139,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
         "--transforms",
         default=None,
         help="local-steps rows: comma list of local_sgd, diloco, slowmo, streaming_diloco, "
-        "decentralized_sgd, sgp, daso (default: all)",
+        "decentralized_sgd, sgp, daso (default: all); sharded suite, memory rows: comma list of "
+        "allreduce, topk-1%%-ef, powersgd-r2, diloco-2 (default: all)",
     )
     o.add_argument(
         "--variants",
@@ -203,6 +209,21 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--torch-threads", type=int, default=None, help="torch.set_num_threads (default: os.cpu_count())"
     )
+    sh = b.add_argument_group(
+        "sharded suite (also uses --sizes, --transforms, --algorithms, --steps, --batch-size, "
+        "--optimizer, --lr, --momentum, --outer-lr, --outer-momentum, --seed)"
+    )
+    sh.add_argument(
+        "--parts",
+        default="memory,training",
+        help="comma list of memory (per-device bytes vs |model|; --sizes: parameters of its model, "
+        "default 1M) and training (charlm on a (replica, fsdp) 4 x 2 mesh vs simulate; "
+        "--algorithms: registry rows, default diloco-50-topk10%%,powersgd-r2)",
+    )
+    sh.add_argument("--model-sizes", default="1,2,4", help="memory part: |model| values (2 replicas each)")
+    sh.add_argument("--d-model", type=int, default=64, help="training part: transformer width")
+    sh.add_argument("--layers", type=int, default=2, help="training part: transformer blocks")
+    sh.add_argument("--heads", type=int, default=4, help="training part: attention heads")
     return parser
 
 
@@ -333,6 +354,82 @@ def _network(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sharded(args: argparse.Namespace) -> int:
+    from optaxdist.bench.sharded import MEMORY_TRANSFORMS, TRAIN_ALGORITHMS, check_training_algorithms
+
+    try:
+        parts = _comma_list(args.parts)
+        if not parts or any(p not in ("memory", "training") for p in parts):
+            raise ValueError(f"--parts {args.parts!r}: comma list of memory, training")
+        try:
+            sizes = [int(m) for m in _comma_list(args.model_sizes)]
+        except ValueError:
+            sizes = []
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"--model-sizes {args.model_sizes!r}: comma list of positive ints")
+        transforms = _comma_list(args.transforms) if args.transforms else list(MEMORY_TRANSFORMS)
+        if not transforms or any(t not in MEMORY_TRANSFORMS for t in transforms):
+            raise ValueError(
+                f"--transforms {args.transforms!r}: comma list of {', '.join(MEMORY_TRANSFORMS)}"
+            )
+        algorithms = expand_names(args.algorithms) if args.algorithms else TRAIN_ALGORITHMS
+        check_training_algorithms(algorithms)
+    except ValueError as e:
+        print(f"optaxdist bench: error: {e}", file=sys.stderr)
+        return 2
+    _force_host_devices(8)  # before the first JAX computation
+    import jax
+
+    from optaxdist.bench.overhead import parse_size
+    from optaxdist.bench.run import environment
+    from optaxdist.bench.sharded import format_tables, run_memory, run_training
+
+    if len(jax.devices()) < 8:
+        print(
+            f"optaxdist bench: error: the sharded suite needs 8 devices, JAX has {len(jax.devices())} "
+            "(XLA_FLAGS=--xla_force_host_platform_device_count=8 must be set before JAX starts)",
+            file=sys.stderr,
+        )
+        return 2
+    record: dict = {}
+    if "memory" in parts:
+        record["memory"] = [
+            run_memory(
+                parse_size(size),
+                model_sizes=sizes,
+                transforms=transforms,
+                progress=not args.quiet,
+            )
+            for size in _comma_list(args.sizes or "1M")
+        ]
+    if "training" in parts:
+        record["training"] = run_training(
+            algorithms,
+            steps=args.steps or 200,
+            batch_size=args.batch_size,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            momentum=args.momentum,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            d_model=args.d_model,
+            layers=args.layers,
+            heads=args.heads,
+            seed=args.seed,
+            progress=not args.quiet,
+        )
+    record["environment"] = environment()
+    print(format_tables(record))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "sharded.json")
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+        if not args.quiet:
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``optaxdist`` console script and of ``python -m optaxdist.bench``.
 
@@ -355,6 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.suite == "network":
         return _network(args)
+
+    if args.suite == "sharded":
+        return _sharded(args)
 
     if args.suite == "overhead":
         try:

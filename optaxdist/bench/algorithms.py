@@ -32,6 +32,9 @@ class BenchContext(NamedTuple):
     lr: optax.ScalarOrSchedule  # the local optimizer's learning rate (SlowMo needs it)
     outer_lr: float = 0.7  # DiLoCo rows' outer Nesterov SGD
     outer_momentum: float = 0.9
+    # how each replica's parameters are split over model axes (``--suite sharded``); the rows that
+    # compress pass it to ``compressed_allreduce`` so each device compresses its own block
+    model_sharding: optaxdist.ModelSharding | None = None
 
     def diloco_outer(self) -> optax.GradientTransformation:
         """The DiLoCo rows' outer optimizer: Nesterov SGD with ``outer_lr`` and ``outer_momentum``."""
@@ -64,7 +67,13 @@ def _allreduce(dtype) -> Factory:
 
 def _compressed(compressor, error_feedback: bool = True, scope: str = "model") -> Factory:
     return lambda comm, local, ctx: optax.chain(
-        optaxdist.compressed_allreduce(compressor, comm=comm, error_feedback=error_feedback, scope=scope),
+        optaxdist.compressed_allreduce(
+            compressor,
+            comm=comm,
+            error_feedback=error_feedback,
+            scope=scope,
+            model_sharding=ctx.model_sharding,
+        ),
         local,
     )
 
@@ -101,7 +110,9 @@ COMPRESSION_ALGORITHMS: list[Algorithm] = [
     Algorithm(
         "sign-vote",
         lambda comm, local, ctx: optax.chain(
-            optaxdist.compressed_allreduce(C.sign(), comm=comm, error_feedback=False),
+            optaxdist.compressed_allreduce(
+                C.sign(), comm=comm, error_feedback=False, model_sharding=ctx.model_sharding
+            ),
             optax.sgd(1e-3),
         ),
         "signSGD with majority vote, 1 bit; fixed lr 1e-3, no momentum (ignores --lr)",
@@ -173,7 +184,9 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
             ctx.diloco_outer(),
             comm=comm,
             period=50,
-            reducer=optaxdist.compressed_allreduce(C.top_k(fraction=0.1), comm=comm, scope="model"),
+            reducer=optaxdist.compressed_allreduce(
+                C.top_k(fraction=0.1), comm=comm, scope="model", model_sharding=ctx.model_sharding
+            ),
         ),
         "DiLoCo, H = 50, pseudo-gradients top-10% with error feedback",
     ),
