@@ -285,6 +285,18 @@ def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
     return rows, local_steps
 
 
+def _write_json(args: argparse.Namespace, name: str, record: object) -> None:
+    """``record`` as ``<--out>/<name>`` (nothing without ``--out``)."""
+    if not args.out:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, name)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    if not args.quiet:
+        print(f"wrote {path}", file=sys.stderr)
+
+
 def _compression_cost(args: argparse.Namespace) -> int:
     from optaxdist.bench.compression_cost import run_compression_cost
     from optaxdist.bench.overhead import parse_size
@@ -308,13 +320,7 @@ def _compression_cost(args: argparse.Namespace) -> int:
         )
         rec["environment"] = environment()
         records.append(rec)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "compression_cost.json")
-        with open(path, "w") as f:
-            json.dump(records, f, indent=1)
-        if not args.quiet:
-            print(f"wrote {path}", file=sys.stderr)
+    _write_json(args, "compression_cost.json", records)
     return 0
 
 
@@ -420,13 +426,7 @@ def _sharded(args: argparse.Namespace) -> int:
         )
     record["environment"] = environment()
     print(format_tables(record))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "sharded.json")
-        with open(path, "w") as f:
-            json.dump(record, f, indent=1)
-        if not args.quiet:
-            print(f"wrote {path}", file=sys.stderr)
+    _write_json(args, "sharded.json", record)
     return 0
 
 
@@ -480,13 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from optaxdist.bench.run import environment
 
         record["environment"] = environment()
-        if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            path = os.path.join(args.out, f"overhead_{args.backend}.json")
-            with open(path, "w") as f:
-                json.dump(record, f, indent=1)
-            if not args.quiet:
-                print(f"wrote {path}", file=sys.stderr)
+        _write_json(args, f"overhead_{args.backend}.json", record)
         return 0
 
     from optaxdist.bench.run import BenchConfig, parse_hidden, run_bench

@@ -308,10 +308,6 @@ def check_training_algorithms(names: Sequence[str]) -> list:
     return algos
 
 
-def _train_local(optimizer: str, lr: float, momentum: float) -> optax.GradientTransformation:
-    return local_optimizer(lr, momentum, optimizer)
-
-
 def run_training(
     algorithms: Sequence[str] = TRAIN_ALGORITHMS,
     *,
@@ -356,7 +352,7 @@ def run_training(
     results = []
     for algo in algos:
         ctx = BenchContext(n, hierarchy, steps, lr, outer_lr, outer_momentum, model_sharding=sharding)
-        tx = algo.make(comm, _train_local(optimizer, lr, momentum), ctx)
+        tx = algo.make(comm, local_optimizer(lr, momentum, optimizer), ctx)
 
         def step(p, s, x, y, tx=tx):
             loss, g = jax.value_and_grad(lambda q: cross_entropy(model, q, x, y))(p)
