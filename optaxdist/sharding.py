@@ -117,6 +117,16 @@ class ModelSharding:
             out[d] //= split
         return tuple(out)
 
+    @property
+    def structure(self) -> Any:
+        """The parameters' tree structure (that of ``specs``)."""
+        return jax.tree.structure(self.specs, is_leaf=_is_spec)
+
+    def leaf_specs(self, tree: PyTree) -> list[P]:
+        """One ``PartitionSpec`` per leaf of ``tree`` (the parameters, gradients or their shapes),
+        in the order of its leaves; checked against ``tree``."""
+        return jax.tree.leaves(self.specs_for(tree), is_leaf=_is_spec)
+
     def specs_for(self, tree: PyTree) -> PyTree:
         """``specs``, checked against ``tree`` (the parameters, gradients or their shapes)."""
         self.blocks(tree)
@@ -125,10 +135,10 @@ class ModelSharding:
     def blocks(self, tree: PyTree, dtype: Any = None) -> PyTree:
         """One device's block of every leaf of ``tree`` (which has the parameters' structure), as
         ``jax.ShapeDtypeStruct`` (in ``dtype`` if given)."""
-        if jax.tree.structure(self.specs, is_leaf=_is_spec) != jax.tree.structure(tree):
+        if self.structure != jax.tree.structure(tree):
             raise ValueError(
                 "ModelSharding.specs must have the structure of the parameters "
-                f"({jax.tree.structure(tree)}), got {jax.tree.structure(self.specs, is_leaf=_is_spec)}"
+                f"({jax.tree.structure(tree)}), got {self.structure}"
             )
 
         def block(path, spec, x):
@@ -153,7 +163,7 @@ class ModelSharding:
         """The leaves of ``tree`` (indices into its flattened leaves) by the model axes that split
         them, in order of first appearance."""
         out: dict[tuple[str, ...], list[int]] = {}
-        for i, spec in enumerate(jax.tree.leaves(self.specs_for(tree), is_leaf=_is_spec)):
+        for i, spec in enumerate(self.leaf_specs(tree)):
             out.setdefault(self.split_axes(spec), []).append(i)
         return out
 
@@ -181,7 +191,7 @@ def by_split_axes(
     one list per tree. A replicated leaf is thus never mixed with blocks that differ between the
     devices of a replica: its result stays the same on all of them.
     """
-    specs = jax.tree.leaves(sharding.specs_for(trees[0]), is_leaf=_is_spec)
+    specs = sharding.leaf_specs(trees[0])
     flat = [jax.tree.leaves(t) for t in trees]
     out = [list(leaves) for leaves in flat]
     for number, (axes, ix) in enumerate(sharding.groups(trees[0]).items()):

@@ -109,7 +109,7 @@ def sharded_payloads(
         if model_sharding is None:
             blocks, devices = [_block_size(mine, num_shards)], 1
         else:
-            params = jax.tree.unflatten(jax.tree.structure(model_sharding.specs, is_leaf=_is_spec), leaves)
+            params = model_sharding.structure.unflatten(leaves)
             local = jax.tree.leaves(model_sharding.blocks(params))
             groups = model_groups(model_sharding, params, part)
             blocks = [_block_size([local[i] for i in ix], num_shards) for _, ix in groups]
@@ -119,10 +119,6 @@ def sharded_payloads(
         )
         out[_sharded_kind("all_gather", fragments, f, dtype)] = devices * sum(blocks) * dtype.itemsize
     return out
-
-
-def _is_spec(x: Any) -> bool:
-    return isinstance(x, P)
 
 
 @configured("outer_sync")
@@ -284,7 +280,7 @@ def outer_sync(
     def leaf_specs(params, ix: list[int]) -> tuple[P, ...]:
         if model_sharding is None:
             return (P(),) * len(ix)
-        specs = jax.tree.leaves(model_sharding.specs_for(params), is_leaf=_is_spec)
+        specs = model_sharding.leaf_specs(params)
         return tuple(specs[i] for i in ix)
 
     def kinds(params, inner_state) -> dict[Kind, int]:

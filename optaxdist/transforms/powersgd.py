@@ -268,14 +268,14 @@ def powersgd(
         raise TypeError(f"model_sharding must be an optaxdist.ModelSharding or None, got {model_sharding!r}")
     eps = float(orthogonalization_epsilon)
 
-    def specs_of(tree) -> list[P]:
-        return jax.tree.leaves(model_sharding.specs_for(tree), is_leaf=lambda x: isinstance(x, P))
-
     def plan_of(tree) -> LowRankPlan:
         leaves = jax.tree.leaves(tree)
         splits = None
         if model_sharding is not None:
-            splits = [model_sharding.matrix_axes(sp, jnp.ndim(x)) for sp, x in zip(specs_of(tree), leaves)]
+            splits = [
+                model_sharding.matrix_axes(sp, jnp.ndim(x))
+                for sp, x in zip(model_sharding.leaf_specs(tree), leaves)
+            ]
         return make_plan(leaves, rank, float(min_compression_rate), batch_same_shape, splits)
 
     def kinds_of(tree, plan: LowRankPlan) -> dict[Kind, int]:
@@ -436,7 +436,7 @@ def powersgd(
         leaves, treedef = jax.tree.flatten(updates)
         leaves = [jnp.asarray(x) for x in leaves]
         plan = plan_of(updates)
-        specs = specs_of(updates) if model_sharding is not None else None
+        specs = model_sharding.leaf_specs(updates) if model_sharding is not None else None
         have = [q.shape for q in state.powersgd_q] + [e.shape for e in state.powersgd_error]
         want = [(len(g.leaves), g.m, g.r) for g in plan.groups]
         if error_feedback:
