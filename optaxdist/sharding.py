@@ -212,6 +212,31 @@ def by_split_axes(
     return tuple(jax.tree.unflatten(jax.tree.structure(t), leaves) for t, leaves in zip(trees, out))
 
 
+def map_subtrees(
+    replace: Callable[[PyTree], PyTree | None], tree: PyTree, leaf: Callable[[Any], Any] = lambda x: x
+) -> PyTree:
+    """``tree`` with each outermost subtree for which ``replace`` returns a value replaced by it
+    (``None``: look inside), and each leaf outside those passed through ``leaf``."""
+
+    def visit(node):
+        replaced = replace(node)
+        if replaced is not None:
+            return replaced
+        children, inner = jax.tree.flatten(node, is_leaf=lambda x: x is not node)
+        if len(children) == 1 and children[0] is node:
+            return leaf(node)
+        return jax.tree.unflatten(inner, [visit(c) for c in children])
+
+    return visit(tree)
+
+
+def same_layout(a: PyTree, b: PyTree) -> bool:
+    """Whether ``a`` and ``b`` have the same tree structure and leaf shapes."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and [jnp.shape(x) for x in jax.tree.leaves(a)] == [
+        jnp.shape(x) for x in jax.tree.leaves(b)
+    ]
+
+
 def on_shards(
     fn: Callable[..., Any],
     sharding: ModelSharding,

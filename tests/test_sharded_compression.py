@@ -58,6 +58,16 @@ def _groups(line: str) -> list[list[int]]:
     explicit = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
     if explicit:
         return [[int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", explicit.group(1))]
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if named:  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}: groups along the listed axes of that mesh
+        axes = re.findall(r"'(\w+)'=(\d+)", named.group(1))
+        along = [i for i, (name, _) in enumerate(axes) if f"'{name}'" in named.group(2)]
+        ids = np.arange(int(np.prod([int(size) for _, size in axes]))).reshape(
+            [int(size) for _, size in axes]
+        )
+        across = [i for i in range(len(axes)) if i not in along]
+        ids = ids.transpose(across + along)
+        return ids.reshape(-1, int(np.prod([ids.shape[len(across) + k] for k in range(len(along))]))).tolist()
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     assert iota, line
     ids = np.arange(int(np.prod([int(d) for d in iota.group(3).split(",")])))

@@ -160,12 +160,15 @@ def _make_step(tx):
 
 
 def _run(wrap, tx, params, x, y):
-    """``init`` then ``STEPS`` steps, each call of ``wrap``ped functions compiled once."""
-    state = wrap(tx.init)(params)
+    """``init`` then ``STEPS`` steps, each call of ``wrap``ped functions compiled once; the final
+    parameters and state, and the state from ``init``."""
+    initial = state = wrap(tx.init)(params)
     step = wrap(_make_step(tx))
     for t in range(STEPS):
         params, state = step(params, state, x[t], y[t])
-    return params, state
+        if t == 0:
+            _assert_placed_alike(initial, state)
+    return params, state, initial
 
 
 @functools.cache
@@ -201,6 +204,14 @@ def _assert_model_sharded(params, state, replica_axes):
     return checked
 
 
+def _assert_placed_alike(initial, stepped):
+    """Every state leaf that ``init`` split over ``"model"`` the step returns split the same way."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(initial), jax.tree.leaves(stepped)):
+        if isinstance(a.sharding, NamedSharding) and M in jax.tree.leaves(tuple(a.sharding.spec)):
+            got, want = _dims(a.sharding.spec, a.ndim), _dims(b.sharding.spec, b.ndim)
+            assert got == want, (jax.tree_util.keystr(path), a.sharding.spec, b.sharding.spec)
+
+
 def _compare(want, got, start, tol=1e-5):
     moved = False
     for (path, a), b, s in zip(
@@ -228,14 +239,15 @@ def _compare(want, got, start, tol=1e-5):
 def test_model_sharded_replicas_match_simulate(n, name):
     tx = TRANSFORMS[name](COMM, n)
     params, x, y = _problem(n)
-    want, want_state = _run(od.simulate, tx, params, x, y)
+    want, want_state, _ = _run(od.simulate, tx, params, x, y)
 
     mesh = _mesh((n, 8 // n), (R, M))
     start = _place(params, mesh, (R,))
-    got, state = _run(lambda f: od.on_mesh(f, mesh, axis_name=R), tx, start, x, y)
+    got, state, initial = _run(lambda f: od.on_mesh(f, mesh, axis_name=R), tx, start, x, y)
 
     _compare((want, want_state), (got, state), (params, want_state), TOLERANCE.get(name, 1e-5))
     assert _assert_model_sharded(got, state, (R,)) >= 2
+    assert _assert_model_sharded(start, initial, (R,)) == _assert_model_sharded(got, state, (R,))
 
 
 # ---- hierarchical: ("node", "local", "model") ------------------------------------------------------
@@ -263,14 +275,17 @@ def test_hierarchical_model_sharded_replicas_match_simulate(name):
     tx = HIERARCHICAL[name](od.axis_hierarchy(nodes, local))
     params, x, y = _problem(nodes * local)
     axes = ("node", "local")
-    want, want_state = _run(lambda f: od.simulate(f, axis_name=axes, shape=(nodes, local)), tx, params, x, y)
+    want, want_state, _ = _run(
+        lambda f: od.simulate(f, axis_name=axes, shape=(nodes, local)), tx, params, x, y
+    )
 
     mesh = _mesh((nodes, local, 2), (*axes, M))
     start = _place(params, mesh, axes)
-    got, state = _run(lambda f: od.on_mesh(f, mesh, axis_name=axes), tx, start, x, y)
+    got, state, initial = _run(lambda f: od.on_mesh(f, mesh, axis_name=axes), tx, start, x, y)
 
     _compare((want, want_state), (got, state), (params, want_state), TOLERANCE.get(name, 1e-5))
     assert _assert_model_sharded(got, state, axes) >= 2
+    assert _assert_model_sharded(start, initial, axes) == _assert_model_sharded(got, state, axes)
 
 
 # ---- the memory-efficient outer mode (num_shards) under model sharding -----------------------------
@@ -297,14 +312,15 @@ def test_memory_efficient_outer_sync_keeps_blocks_split_over_the_model_axis(name
     sharding = od.ModelSharding.from_mesh(mesh, {k: P(*v) for k, v in SPECS.items()}, R)
     tx = MEMORY_EFFICIENT[name](sharding, n)
     params, x, y = _problem(n)
-    plain, _ = _run(od.simulate, MEMORY_EFFICIENT[name](None, n), params, x, y)
-    want, want_state = _run(od.simulate, tx, params, x, y)
+    plain, _, _ = _run(od.simulate, MEMORY_EFFICIENT[name](None, n), params, x, y)
+    want, want_state, _ = _run(od.simulate, tx, params, x, y)
     _compare(plain, want, params)
 
     start = _place(params, mesh, (R,))
-    got, state = _run(lambda f: od.on_mesh(f, mesh, axis_name=R), tx, start, x, y)
+    got, state, initial = _run(lambda f: od.on_mesh(f, mesh, axis_name=R), tx, start, x, y)
     _compare((want, want_state), (got, state), (params, want_state))
     assert _assert_model_sharded(got, state, (R,)) >= 2
+    assert _assert_model_sharded(start, initial, (R,)) == _assert_model_sharded(got, state, (R,))
 
     # per fragment, one block per group of its leaves: the kernels' split over "model", the bias's not
     blocks = [b for fragment in state.sync_state.anchors for b in fragment]

@@ -25,6 +25,7 @@ from optaxdist.comm.base import Communicator
 from optaxdist.comm.cross import CrossComm, numbered_exchanges
 from optaxdist.comm.hierarchy import Hierarchy
 from optaxdist.parallel.multihost import host_allgather
+from optaxdist.sharding import map_subtrees
 
 PyTree = Any
 REPLICA_AXIS = "replica"
@@ -173,6 +174,90 @@ def _check_replica_placement(args: tuple, mesh: Mesh, names: tuple[str, ...]) ->
             )
 
 
+class _OutputsLikeInputs:
+    """``jax.jit(run)`` that places its results like the arguments split over the model axes
+    (``_place_like``); one compiled function per placement of the arguments. ``lower``, ``trace``
+    and ``eval_shape`` take the arguments of a call (arrays, or ``jax.ShapeDtypeStruct`` with
+    shardings)."""
+
+    def __init__(self, run: Callable[..., Any], mesh: Mesh, model_axes: Sequence[str]):
+        self._run, self._mesh, self._model_axes = run, mesh, frozenset(model_axes)
+        self._jitted: dict[tuple, Callable[..., Any]] = {}
+
+    def _placement(self, args: tuple) -> tuple[tuple, tuple]:
+        """The arguments split over a model axis, each as (structure, leaf shapes, the leaves'
+        shardings where they split a model axis, else None), and those shardings by per-replica
+        leaf shape (the shapes whose split leaves all agree)."""
+        templates, by_shape = [], {}
+        for arg in args:
+            leaves, treedef = jax.tree.flatten(arg)
+            shardings = tuple(self._model_split(getattr(x, "sharding", None)) for x in leaves)
+            split = [(np.shape(x)[1:], s) for x, s in zip(leaves, shardings) if s is not None]
+            if split:
+                templates.append((treedef, tuple(np.shape(x) for x in leaves), shardings))
+            for shape, sharding in split:
+                by_shape.setdefault(shape, set()).add(sharding)
+        agreed = tuple((shape, *found) for shape, found in by_shape.items() if len(found) == 1)
+        return tuple(templates), agreed
+
+    def _model_split(self, sharding: Any) -> NamedSharding | None:
+        """``sharding`` if it is on this mesh and splits a dimension over a model axis."""
+        if not isinstance(sharding, NamedSharding) or sharding.mesh.shape_tuple != self._mesh.shape_tuple:
+            return None
+        split = any(a in self._model_axes for entry in tuple(sharding.spec)[1:] for a in _names(entry or ()))
+        return sharding if split else None
+
+    def _jit_for(self, args: tuple) -> Callable[..., Any]:
+        placement = self._placement(args)
+        if placement not in self._jitted:
+            self._jitted[placement] = jax.jit(lambda *a: _place_like(self._run(*a), *placement))
+        return self._jitted[placement]
+
+    def __call__(self, *args: Any) -> Any:
+        return self._jit_for(args)(*args)
+
+    def lower(self, *args: Any) -> Any:
+        return self._jit_for(args).lower(*args)
+
+    def trace(self, *args: Any) -> Any:
+        return self._jit_for(args).trace(*args)
+
+    def eval_shape(self, *args: Any) -> Any:
+        return self._jit_for(args).eval_shape(*args)
+
+
+def _place_like(tree: PyTree, templates: tuple, by_shape: tuple) -> PyTree:
+    """``tree`` placed like the model-split leaves of the arguments: in a subtree with an
+    argument's structure and leaf shapes, each leaf takes the sharding of the argument's leaf if
+    that one is split over a model axis (the first argument that matches, outermost subtrees
+    first); any other leaf whose per-replica shape ends with a model-split argument leaf's shape
+    takes its sharding, the extra leading dimensions not split (a stack of per-leaf residuals).
+    The rest is left to the compiler."""
+    suffixes = sorted(by_shape, key=lambda item: -len(item[0]))
+
+    def constrain(x, sharding):
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+    def like_a_leaf(x):
+        shape = np.shape(x)[1:]
+        for leaf_shape, sharding in suffixes:
+            extra = len(shape) - len(leaf_shape)
+            if extra >= 0 and shape[extra:] == leaf_shape:
+                lead, *rest = tuple(sharding.spec) + (None,) * (1 + len(leaf_shape) - len(sharding.spec))
+                return constrain(x, NamedSharding(sharding.mesh, P(lead, *(None,) * extra, *rest)))
+        return x
+
+    def like_an_argument(node):
+        leaves, treedef = jax.tree.flatten(node)
+        shapes = tuple(np.shape(x) for x in leaves)
+        for template_def, template_shapes, shardings in templates:
+            if treedef == template_def and shapes == template_shapes:
+                return jax.tree.unflatten(treedef, [constrain(x, s) for x, s in zip(leaves, shardings)])
+        return None
+
+    return map_subtrees(like_an_argument, tree, like_a_leaf)
+
+
 def on_mesh(
     step: Callable[..., Any],
     mesh: Mesh,
@@ -191,6 +276,10 @@ def on_mesh(
 
     Mesh axes not in ``axis_name`` (``"model"``) are left to the compiler: arguments may be
     sharded over them on their other dimensions (``P("replica", None, "model")``), and stay so.
+    A result with the structure and shapes of an argument split over those axes is placed like
+    it: ``on_mesh(tx.init, ...)(params)`` returns momenta, residuals and anchors split like the
+    parameters, not replicated (zeros do not depend on the parameters, so the compiler would not
+    split them), and a step returns parameters and state as it took them.
     Each call raises ``ValueError`` if an argument's ``NamedSharding`` splits a dimension other
     than the leading one over a replica axis, or the leading one over replica and other axes
     together (``P(None, "replica")``, ``P(("replica", "model"), None)``).
@@ -218,7 +307,7 @@ def on_mesh(
 
     many = check_config and jax.process_count() > 1
     return AgreedStep(
-        jax.jit(run),
+        jax.jit(run) if explicit or not model_axes else _OutputsLikeInputs(run, mesh, model_axes),
         run,
         step,
         host_allgather if many else None,

@@ -25,7 +25,7 @@ from optaxdist.accounting import Kind, dtype_label, kind_name, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.partition import Partition, balanced_fragments, resolve_partition
-from optaxdist.sharding import ModelSharding, on_shards
+from optaxdist.sharding import ModelSharding, map_subtrees, on_shards, same_layout
 from optaxdist.transforms._checks import check_comm, check_float_leaves, check_int, check_number
 from optaxdist.transforms.periodic import SyncInput, periodic
 
@@ -277,6 +277,22 @@ def outer_sync(
         block is split over all of them: ``P(axes)``); itself for a group split over none."""
         return on_shards(fn, model_sharding, in_specs, out_specs) if axes else fn
 
+    def split_like_blocks(tree, blocks: tuple[jax.Array, ...], groups) -> Any:
+        """``tree`` (the outer state of a fragment) with each tuple laid out like the fragment's
+        blocks split over the model axes like them: ``outer.init``'s zeros do not depend on the
+        blocks, so the compiler would leave them whole on every device."""
+        if model_sharding is None:
+            return tree
+
+        def split(node):
+            if not same_layout(node, blocks):
+                return None
+            return tuple(
+                on_blocks(lambda b: b, axes, (P(axes),), P(axes))(b) for b, (axes, _) in zip(node, groups)
+            )
+
+        return map_subtrees(split, tree)
+
     def leaf_specs(params, ix: list[int]) -> tuple[P, ...]:
         if model_sharding is None:
             return (P(),) * len(ix)
@@ -322,7 +338,7 @@ def outer_sync(
         check_float_leaves(params, "outer_sync (diloco, slowmo, streaming_diloco)")
         layout = layout_of(params)
         leaves = jax.tree.leaves(params)
-        anchors = []
+        anchors, outer_states = [], []
         for part in layout.fragments:
             mine = fragment(params, part)
             if sharded:  # filled from the parameters on the first step, where comm.index() is known
@@ -331,17 +347,20 @@ def outer_sync(
                 def zeros(*mine, dtype=dtype):  # made per device: split like the blocks will be
                     return jnp.zeros((block_size(mine),), dtype)
 
+                groups = shard_groups(params, part)
                 blocks = tuple(
                     on_blocks(zeros, axes, leaf_specs(params, ix), P(axes))(*[leaves[i] for i in ix])
-                    for axes, ix in shard_groups(params, part)
+                    for axes, ix in groups
                 )
                 anchors.append(blocks if model_sharding else blocks[0])
+                outer_states.append(split_like_blocks(outer.init(anchors[-1]), blocks, groups))
             else:  # copies, not aliases: callers may donate params and state to the same jitted step
                 anchors.append(jax.tree.map(lambda x: jnp.array(x, anchor_type(x.dtype), copy=True), mine))
+                outer_states.append(outer.init(anchors[-1]))
         return OuterState(
             layout=layout,
             anchors=tuple(anchors),
-            outer_states=tuple(outer.init(a) for a in anchors),
+            outer_states=tuple(outer_states),
             reducer_states=tuple(reducer.init(a) for a in anchors) if reducer is not None else (),
         )
 
