@@ -25,6 +25,8 @@ ALL = {
     "int8": compress.quantize(8, block_size=4),
     "int4_stochastic": compress.quantize(4, block_size=6, rounding="stochastic"),
     "int2": compress.quantize(2, block_size=8),
+    "chunked_top_k": compress.chunked_top_k(8, 2),
+    "int4_chunked_top_k": compress.chunked_top_k(16, 4, values=compress.quantize(4, block_size=2)),
 }
 
 
@@ -94,7 +96,7 @@ def test_sent_plus_residual_equals_input_exactly(name):
         np.testing.assert_allclose(np.asarray(sent + residual), np.asarray(x), rtol=0, atol=1e-7)
     else:
         np.testing.assert_array_equal(np.asarray(sent + residual), np.asarray(x))
-    if name.startswith(("top", "random", "block", "threshold")):
+    if name.startswith(("top", "random", "block", "threshold", "chunked")):
         # the sparsifiers send entries unchanged: sent and residual have disjoint supports
         assert not np.any((np.asarray(sent) != 0) & (np.asarray(residual) != 0))
 

@@ -2,6 +2,7 @@
 
 from optaxdist.compress.base import Compressor
 from optaxdist.compress.cast import Cast, cast, round_to
+from optaxdist.compress.chunked import ChunkedTopK, chunked_top_k
 from optaxdist.compress.quantize import Quantize, quantize
 from optaxdist.compress.sign import Sign, sign
 from optaxdist.compress.sparse import (
@@ -18,6 +19,7 @@ from optaxdist.compress.sparse import (
 __all__ = [
     "BlockK",
     "Cast",
+    "ChunkedTopK",
     "Compressor",
     "Quantize",
     "RandomK",
@@ -26,6 +28,7 @@ __all__ = [
     "TopK",
     "block_k",
     "cast",
+    "chunked_top_k",
     "quantize",
     "random_k",
     "round_to",
