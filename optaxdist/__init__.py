@@ -82,6 +82,7 @@ from optaxdist.transforms.outer import (
 from optaxdist.transforms.partial import partial_average
 from optaxdist.transforms.periodic import PeriodicState
 from optaxdist.transforms.powersgd import PowerSgdState, powersgd
+from optaxdist.transforms.sparseloco import sparseloco
 
 __version__ = "0.1.0"
 
@@ -164,6 +165,7 @@ __all__ = [
     "skip_nonfinite",
     "slowmo",
     "slowmo_outer_optimizer",
+    "sparseloco",
     "SlowMoOuterState",
     "SoloComm",
     "streaming_diloco",

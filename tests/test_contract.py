@@ -73,6 +73,12 @@ TRANSFORMS = {
         dict(period=0),
     ),
     "diloco": (lambda **kw: od.diloco(optax.sgd(0.1), comm=COMM, **({"period": 1} | kw)), dict(period=-1)),
+    "sparseloco": (
+        lambda **kw: od.sparseloco(
+            optax.sgd(0.1), comm=COMM, **({"period": 1, "chunk_size": 8, "k": 4} | kw)
+        ),
+        dict(value_bits=3),
+    ),
     "slowmo_memory_efficient": (
         lambda **kw: od.slowmo(
             optax.sgd(0.1),

@@ -73,6 +73,7 @@ TRANSFORMS = {
         _momentum(), comm=c, period=2, warmup_steps=1, average_inner_state=True
     ),
     "diloco": lambda c, n: od.diloco(_sgd(), comm=c, period=2),
+    "sparseloco": lambda c, n: od.sparseloco(_sgd(), comm=c, period=2, chunk_size=16, k=4),
     "slowmo_memory_efficient": lambda c, n: od.slowmo(
         _sgd(), comm=c, learning_rate=0.1, period=2, num_shards=n, anchor_after_first_step=True
     ),

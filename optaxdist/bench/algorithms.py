@@ -175,7 +175,7 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
             lambda comm, local, ctx, h=h: optaxdist.diloco(local, ctx.diloco_outer(), comm=comm, period=h),
             f"DiLoCo, H = {h}, outer Nesterov SGD (default lr 0.7, momentum 0.9)",
         )
-        for h in (10, 50, 100)
+        for h in (10, 30, 50, 100)
     ),
     Algorithm(
         "diloco-50-topk10%",
@@ -189,6 +189,14 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
             ),
         ),
         "DiLoCo, H = 50, pseudo-gradients top-10% with error feedback",
+    ),
+    Algorithm(
+        "sparseloco-30",
+        lambda comm, local, ctx: optaxdist.sparseloco(
+            local, comm=comm, period=30, model_sharding=ctx.model_sharding
+        ),
+        "SparseLoCo, H = 30: 64 of every 4096 pseudo-gradient entries, 12-bit indices, 2-bit values, "
+        "error feedback decay 0.95, outer SGD lr 1",
     ),
     Algorithm(
         "streaming-diloco-50",

@@ -14,7 +14,7 @@ from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, divides_first
 from optaxdist.compress.base import Compressor
 from optaxdist.sharding import ModelSharding, by_split_axes
-from optaxdist.transforms._checks import check_comm, check_warmup_steps
+from optaxdist.transforms._checks import check_comm, check_number, check_warmup_steps
 from optaxdist.transforms.allreduce import allreduce
 
 SCOPES = ("leaf", "model")
@@ -48,6 +48,7 @@ def compressed_allreduce(
     *,
     comm: Communicator,
     error_feedback: bool = True,
+    error_decay: float = 1.0,
     scope: Literal["leaf", "model"] = "leaf",
     residual_dtype: Any = jnp.float32,
     seed: int = 0,
@@ -58,11 +59,12 @@ def compressed_allreduce(
     With :math:`C` the compressor, :math:`D` its decoder, :math:`e_i` replica :math:`i`'s residual:
 
     .. math::
-        v_i = g_i + e_i, \qquad e_i \leftarrow v_i - D(C(v_i)), \qquad
+        v_i = g_i + \beta e_i, \qquad e_i \leftarrow v_i - D(C(v_i)), \qquad
         u = \mathrm{combine}_i\, C(v_i)
 
     where ``combine`` is :math:`\frac1W\sum_i D(C(v_i))` for every compressor except the plain sign
-    (majority vote: :math:`\mathrm{sign}\sum_i \mathrm{sign}(v_i)`). Without error feedback,
+    (majority vote: :math:`\mathrm{sign}\sum_i \mathrm{sign}(v_i)`); :math:`\beta` is
+    ``error_decay`` (1: plain error feedback; SparseLoCo: 0.95). Without error feedback,
     :math:`e_i = 0`. ``sent + residual == v`` holds exactly for the sparsifiers and the casts.
     A summed 16-bit payload (the casts) is the share :math:`C(v_i / W)`, decoded as
     :math:`W\,D(C(v_i / W))`, so that a float16 sum cannot overflow where the mean would not.
@@ -80,6 +82,8 @@ def compressed_allreduce(
     ``threshold(mode="padded")``  all-gather          ``bound`` int32 + ``bound`` float32
     ``sign()`` / ``sign(scaled)`` all-gather          ``ceil(d/8)`` bytes (+ one float32 if scaled)
     ``quantize(bits)``            all-gather          ``ceil(d/B)·B·bits/8`` bytes + ``ceil(d/B)`` float32
+    ``chunked_top_k(C, k)``       all-gather          ``ceil(c·k·log2(C)/8)`` bytes of indices + ``c·k``
+                                                      values (float32 or quantized), ``c = ceil(d/C)``
     ============================  ==================  ===============================================
 
     Ledger kind: ``"<collective>[<compressor name>]"``, e.g. ``"all_gather[top_k]"``.
@@ -98,6 +102,8 @@ def compressed_allreduce(
         ``block_k``, ``threshold``, ``sign``).
       comm: the group of replicas.
       error_feedback: keep the residual (per replica) and add it to the next gradient.
+      error_decay: β in [0, 1], the factor of the residual added to the next gradient (with
+        ``error_feedback`` only).
       scope: ``"leaf"`` compresses each gradient leaf separately (k from each leaf's size);
         ``"model"`` compresses the whole gradient as one vector.
       residual_dtype: dtype of the residual and of the compression arithmetic (float32).
@@ -120,6 +126,9 @@ def compressed_allreduce(
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be an optaxdist.compress compressor, got {compressor!r}")
     check_comm("comm", comm)
+    check_number("error_decay", error_decay, low=0.0, high=1.0)
+    if error_decay != 1.0 and not error_feedback:
+        raise ValueError(f"error_decay={error_decay!r} needs error_feedback=True (no residual to decay)")
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r}; allowed: {SCOPES}")
     residual_dtype = jnp.dtype(residual_dtype)
@@ -184,7 +193,8 @@ def compressed_allreduce(
         *error, compress_step = rest
         v_tree = updates
         if error_feedback:
-            v_tree = jax.tree.map(lambda g, e: g.astype(residual_dtype) + e, updates, error[0])
+            kept = error[0] if error_decay == 1.0 else jax.tree.map(lambda e: e * error_decay, error[0])
+            v_tree = jax.tree.map(lambda g, e: g.astype(residual_dtype) + e, updates, kept)
         vecs, rebuild = vectors_of(v_tree)
         ks = keys(compress_step, len(vecs), axes, group)
         # A 16-bit payload that is summed (the casts) is the mean's share v / W, so the float16 sum
