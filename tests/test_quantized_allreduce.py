@@ -108,6 +108,21 @@ def test_all_to_all_transposes_rows_across_members(harness):
         harness.run(harness.comm.all_to_all, np.zeros((n, n + 1, 2), np.float32))
 
 
+def test_all_to_all_over_two_axes_is_one_flat_group():
+    """``AxisComm(("node", "local"))``: ``lax.all_to_all`` over both axes on a mesh, the gathered
+    column under nested vmap (no multi-axis all-to-all there); member order is row-major."""
+    rows = np.arange(8 * 8 * 3, dtype=np.float32).reshape(8, 8, 3)
+    sim = od.axis_hierarchy(2, 4)
+    out = od.simulate(sim.world.all_to_all, axis_name=("node", "local"), shape=(2, 4))(rows)
+    np.testing.assert_array_equal(out, np.swapaxes(rows, 0, 1))
+    mesh = od.mesh_hierarchy(2, 4)
+    spec = jax.sharding.PartitionSpec(("node", "local"))
+    on_mesh = jax.shard_map(
+        lambda r: mesh.world.all_to_all(r[0])[None], mesh=mesh.mesh, in_specs=spec, out_specs=spec
+    )
+    np.testing.assert_array_equal(jax.jit(on_mesh)(rows), np.swapaxes(rows, 0, 1))
+
+
 # ---- bit for bit -------------------------------------------------------------------------------
 
 

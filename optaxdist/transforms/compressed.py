@@ -80,8 +80,8 @@ def compressed_allreduce(
     ``threshold(mode="padded")``  all-gather          ``bound`` int32 + ``bound`` float32
     ``sign()`` / ``sign(scaled)`` all-gather          ``ceil(d/8)`` bytes (+ one float32 if scaled)
     ``quantize(bits)``            all-gather          ``ceil(d/B)·B·bits/8`` bytes + ``ceil(d/B)`` float32
-    ``quantize(exchange=          all-to-all, then    ``P = W·L·bits/8`` bytes + ``W·L/B`` float32
-    "two_phase")``                all-gather          (``L = ⌈⌈d/W⌉/B⌉·B``), then ``P/W``
+    ``quantize(two_phase)``       all-to-all,         ``P = W·L·bits/8`` bytes + ``W·L/B`` float32
+                                  then all-gather     (``L = ⌈⌈d/W⌉/B⌉·B``), then ``P/W``
     ============================  ==================  ===============================================
 
     Ledger kind: ``"<collective>[<compressor name>]"``, e.g. ``"all_gather[top_k]"``; the two-phase
