@@ -292,3 +292,28 @@ def test_init_outside_the_harness_says_where_to_call_it():
     tx = od.compressed_allreduce(compress.quantize(8, exchange="two_phase"), comm=od.AxisComm("replica"))
     with pytest.raises(ValueError, match="needs the group size at init"):
         tx.init({"w": jnp.zeros(10)})
+
+
+def test_model_sharded_replicas_run_two_phase_per_block():
+    """With ``model_sharding`` each device runs the two phases on its own blocks between replicas:
+    the mesh gives simulate's bits, nothing crosses the model axis, and the ledger counts the
+    replica's devices' all-to-all and all-gather payloads."""
+    from tests.test_sharded_compression import COMM, SPECS, _grads, _mesh, _run_both, collectives_by_axis
+
+    mesh = _mesh(4, 2)
+    sharding = od.ModelSharding.from_mesh(mesh, SPECS, od.REPLICA_AXIS)
+    c = compress.quantize(4, block_size=8, exchange="two_phase")
+    tx = od.compressed_allreduce(c, comm=COMM, model_sharding=sharding)
+    (u_sim, s_sim), (u_mesh, s_mesh), text = _run_both(tx, _grads(4), mesh)
+    for a, b in zip(jax.tree.leaves((u_sim, s_sim.error)), jax.tree.leaves((u_mesh, s_mesh.error))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    by_axis = collectives_by_axis(text, mesh)
+    assert by_axis["model"] == []
+    stats = od.comm_stats(s_mesh)
+    assert {k: t.collectives for k, t in stats.by_kind.items()} == {
+        "all_to_all[int4/8]": 2,
+        "all_gather[int4/8]": 2,
+    }
+    result_per_payload = {"all-to-all": 1, "all-gather": 4}  # an all-gather's result: 4 replicas' chunks
+    per_device = sum(b // result_per_payload[op] for op, b in by_axis["replica"])
+    assert stats.bytes == 2 * per_device * sharding.devices
