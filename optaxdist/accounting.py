@@ -77,7 +77,7 @@ def dtype_label(tree: PyTree, dtype: Any = None) -> str:
     return "+".join(sorted({jnp.dtype(x.dtype).name for x in jax.tree.leaves(tree)})) or "none"
 
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "permute")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "permute")
 SCOPES = ("world", "local", "cross", "model")
 
 

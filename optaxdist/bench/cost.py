@@ -10,14 +10,16 @@ collective             bandwidth term                      latency term
 all-reduce (ring)      :math:`2(n-1)/n \cdot S/B`          :math:`2(n-1)\,\alpha`
 all-gather (ring)      :math:`(n-1) \cdot S/B`             :math:`(n-1)\,\alpha`
 reduce-scatter (ring)  :math:`(n-1)/n \cdot S/B`           :math:`(n-1)\,\alpha`
+all-to-all (pairwise)  :math:`(n-1)/n \cdot S/B`           :math:`(n-1)\,\alpha`
 permute (one peer)     :math:`S/B`                         :math:`\alpha`
 broadcast (pipelined)  :math:`S/B`                         :math:`(n-1)\,\alpha`
 =====================  ==================================  ===================================
 
 ``S`` is the *payload* as the ledger records it (``optaxdist.accounting``): the buffer one replica
 hands to the collective (for an all-gather, its own contribution, so the gathered result is
-``n·S``). A flat ring over replicas spread on several nodes is bound by its slowest link: with one
-node the model uses the intra-node link (``nvlink``), with more than one the network's.
+``n·S``; for an all-to-all, its whole buffer, of which ``1/n`` stays with it). A flat ring over
+replicas spread on several nodes is bound by its slowest link: with one node the model uses the
+intra-node link (``nvlink``), with more than one the network's.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ _MODELS = {
     "all_reduce": _Shape(lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
     "all_gather": _Shape(lambda n: n - 1, lambda n: n - 1),
     "reduce_scatter": _Shape(lambda n: (n - 1) / n, lambda n: n - 1),
+    "all_to_all": _Shape(lambda n: (n - 1) / n, lambda n: n - 1),
     "permute": _Shape(lambda n: 1, lambda n: 1),
     "broadcast": _Shape(lambda n: 1, lambda n: n - 1),
 }

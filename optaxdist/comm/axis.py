@@ -132,6 +132,14 @@ class AxisComm(Communicator):
         block = x.shape[0] // size
         return jax.lax.dynamic_slice(self._psum(x), (self.index() * block,), (block,))
 
+    def _all_to_all(self, x):
+        self.size  # noqa: B018
+        if len(self.axes) > 1 and not self._on_mesh():
+            # nested vmap has no multi-axis all-to-all; nothing crosses devices: pick my column
+            return self._all_gather(x)[:, self.index()]
+        bits = _bits(pcast_varying(x, self.axes))
+        return _from_bits(jax.lax.all_to_all(bits, self.axis_name, 0, 0), x.dtype)
+
     def _permute(self, x, perm):
         size = self.size
         if self._on_mesh() or (len(self.axes) == 1 and len(perm) == size):

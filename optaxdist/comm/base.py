@@ -3,9 +3,9 @@
 A communicator is a small frozen, hashable object describing a group of replicas. Transforms receive
 it as ``comm=`` and call only these methods; every byte that crosses replicas goes through them.
 
-Backends implement four primitives on single arrays (``_psum``, ``_all_gather``, ``_permute``,
-``index``) plus ``size``; everything else (trees, communication dtypes, broadcast, agreement) is
-derived here once, so the backends cannot disagree about it.
+Backends implement primitives on single arrays (``_psum``, ``_all_gather``, ``_permute``,
+``_psum_scatter``, ``_all_to_all``, ``index``) plus ``size``; everything else (trees, communication
+dtypes, broadcast, agreement) is derived here once, so the backends cannot disagree about it.
 """
 
 from __future__ import annotations
@@ -94,6 +94,10 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _psum_scatter(self, x: jax.Array) -> jax.Array:
         """Sum over members of ``x`` (length ``size·L``), returning this member's block of ``L``."""
+
+    @abc.abstractmethod
+    def _all_to_all(self, x: jax.Array) -> jax.Array:
+        """Row ``i`` of the result is row ``index()`` of member ``i``'s ``x`` (leading axis ``size``)."""
 
     def describe(self) -> dict[str, Any]:
         """The group as plain data, the same on every member (for configuration agreement)."""
@@ -198,6 +202,18 @@ class Communicator(abc.ABC):
         """Every member's value stacked on a new leading axis of length ``size``."""
         return jax.tree.map(lambda x: self._all_gather(jnp.asarray(x)), tree)
 
+    def all_to_all(self, tree: PyTree) -> PyTree:
+        """Transpose rows across members: every leaf has a leading axis of length ``size``; member
+        ``j`` receives row ``j`` of every member's leaf, stacked in member order (row ``i`` from
+        member ``i``). Each member sends ``(size − 1)/size`` of its buffer."""
+        leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+        for x in leaves:
+            if x.ndim == 0 or x.shape[0] != self.size:
+                raise ValueError(
+                    f"all_to_all needs leaves with a leading axis of {self.size}, got shape {x.shape}"
+                )
+        return jax.tree.map(lambda x: self._all_to_all(jnp.asarray(x)), tree)
+
     def permute(self, tree: PyTree, perm: Permutation, *, dtype: Any = None) -> PyTree:
         """Send to the static destinations ``perm = [(src, dst), ...]``; members receiving nothing get
         0. ``dtype`` is the type on the wire; what arrives comes back in each leaf's dtype."""
@@ -280,6 +296,15 @@ class Communicator(abc.ABC):
     ) -> tuple[LevelEvent, ...]:
         sends = perm is None or any(s == member != d for s, d in perm)
         return (LevelEvent("world", collective, sum(n * b for n, b in buffers)),) if sends else ()
+
+
+def refuse_all_to_all(comm: Communicator) -> None:
+    """The error of a hierarchical group asked for an all-to-all."""
+    raise NotImplementedError(
+        f"{type(comm).__name__} has no all-to-all: a hierarchical group cannot run "
+        'quantize(exchange="two_phase"); use exchange="all_gather", or a flat group (AxisComm over '
+        "the replica axes, MpiComm)"
+    )
 
 
 _SAME_WIDTH_INT = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optaxdist._compat import manual_axes, pcast_varying
-from optaxdist.comm.base import Communicator
+from optaxdist.comm.base import Communicator, refuse_all_to_all
 
 _TAGS: contextvars.ContextVar[Iterator[int] | None] = contextvars.ContextVar("optaxdist_tags", default=None)
 _PHASES = 2  # tags per exchange: its two rounds of messages never share a tag
@@ -225,6 +225,9 @@ class CrossComm(Communicator):
 
     def _psum_scatter(self, x):
         return self._call("reduce_scatter", x, jax.ShapeDtypeStruct((x.shape[0] // self.size,), x.dtype))
+
+    def _all_to_all(self, x):
+        refuse_all_to_all(self)
 
     def _permute(self, x, perm):
         return self.permute_per_local(x, (perm,) * self.local_size)

@@ -107,6 +107,11 @@ class MpiComm(Communicator):
         received = _from_wire(mpi4jax.alltoall(_to_wire(blocks), comm=self.comm), x.dtype)
         return sum_in_member_order(received)
 
+    def _all_to_all(self, x):
+        _, mpi4jax = _mpi()
+        self._check_single_device(x)
+        return _from_wire(mpi4jax.alltoall(_to_wire(x), comm=self.comm), x.dtype)
+
     def broadcast(self, tree, root: int = 0):
         _, mpi4jax = _mpi()
         if not 0 <= root < self.size:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from optaxdist._compat import all_gather_invariant, manual_axes, pcast_varying
 from optaxdist.accounting import LevelEvent
 from optaxdist.comm.axis import AxisComm
-from optaxdist.comm.base import Communicator
+from optaxdist.comm.base import Communicator, refuse_all_to_all
 from optaxdist.comm.cross import CrossComm
 
 
@@ -92,6 +92,9 @@ class NodeComm(Communicator):
         by_local = jnp.swapaxes(x.reshape(nodes, local, -1), 0, 1).reshape(-1)  # [G·N·B]
         return self.cross._psum_scatter(self.local._psum_scatter(by_local))
 
+    def _all_to_all(self, x):
+        refuse_all_to_all(self)
+
     def _permute(self, x, perm):
         me = self.index()  # checks the axis is bound
         to_myself = tuple(any(s == d == w for s, d in perm) for w in range(self.size))
@@ -119,6 +122,8 @@ class NodeComm(Communicator):
           the cross stage, a local permute of ``S`` where its local index sends in the local stage
           (the devices of that index on every node send, forwarding a message or not).
         """
+        if collective == "all_to_all":
+            refuse_all_to_all(self)
         nodes, g = self.cross.size, self.local_size
         total = sum(n * b for n, b in buffers)
         if collective == "permute":

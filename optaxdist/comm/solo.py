@@ -36,3 +36,6 @@ class SoloComm(Communicator):
 
     def _psum_scatter(self, x):
         return x
+
+    def _all_to_all(self, x):
+        return x

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 Payload = Any
-Exchange = Literal["all_reduce", "all_gather"]
+Exchange = Literal["all_reduce", "all_gather", "two_phase"]
 
 
 class Compressor(abc.ABC):
@@ -24,6 +24,12 @@ class Compressor(abc.ABC):
       divides by the number of replicas.
     * ``"all_gather"``: every replica receives every payload (stacked on a leading axis) and
       ``combine`` merges them (sparse scatter-add, majority vote, ...).
+    * ``"two_phase"`` (``quantize(exchange="two_phase")``): the payload is cut into one chunk per
+      replica; an all-to-all brings replica ``j`` chunk ``j`` of every payload, which
+      ``reduce_chunks`` averages and re-encodes; an all-gather of those, and ``decode_chunks``
+      gives the mean. The compressor provides ``encode_chunks(x, world, key)``,
+      ``reduce_chunks(received, chunk, key)`` and ``decode_chunks(payload, size)``; the
+      transform runs the two collectives.
 
     ``decode`` gives the vector this replica's payload stands for: error feedback keeps
     ``x − decode(encode(x))`` as the residual.

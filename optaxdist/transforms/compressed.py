@@ -82,11 +82,18 @@ def compressed_allreduce(
     ``threshold(mode="padded")``  all-gather          ``bound`` int32 + ``bound`` float32
     ``sign()`` / ``sign(scaled)`` all-gather          ``ceil(d/8)`` bytes (+ one float32 if scaled)
     ``quantize(bits)``            all-gather          ``ceil(d/B)·B·bits/8`` bytes + ``ceil(d/B)`` float32
+    ``quantize(two_phase)``       all-to-all,         ``P = W·L·bits/8`` bytes + ``W·L/B`` float32
+                                  then all-gather     (``L = ⌈⌈d/W⌉/B⌉·B``), then ``P/W``
     ``chunked_top_k(C, k)``       all-gather          ``ceil(c·k·log2(C)/8)`` bytes of indices + ``c·k``
                                                       values (float32 or quantized), ``c = ceil(d/C)``
     ============================  ==================  ===============================================
 
-    Ledger kind: ``"<collective>[<compressor name>]"``, e.g. ``"all_gather[top_k]"``.
+    Ledger kind: ``"<collective>[<compressor name>]"``, e.g. ``"all_gather[top_k]"``; the two-phase
+    quantizer records ``"all_to_all[int8/64]"`` and ``"all_gather[int8/64]"`` every step. It needs
+    the group size at ``init`` (the chunks are padded to whole blocks): call ``init`` where the
+    replica axis is bound (``simulate(tx.init)``, ``on_mesh``) or with an ``MpiComm``. Its error
+    feedback keeps only what the replica's own quantization lost, not the re-quantization's error
+    (``optaxdist.compress.Quantize``).
 
     Sharded models (``model_sharding``): when the parameters of a replica are split over model axes
     (FSDP, tensor parallelism; ``on_mesh(..., axis_name="replica")``), each device compresses its
@@ -136,7 +143,11 @@ def compressed_allreduce(
         raise ValueError(f"residual_dtype={residual_dtype} must be a floating-point dtype")
     if model_sharding is not None and not isinstance(model_sharding, ModelSharding):
         raise TypeError(f"model_sharding must be an optaxdist.ModelSharding or None, got {model_sharding!r}")
-    kind = Kind(compressor.exchange, compressor.name)
+    two_phase = compressor.exchange == "two_phase"
+    if two_phase:
+        kinds = (Kind("all_to_all", compressor.name), Kind("all_gather", compressor.name))
+    else:
+        kinds = (Kind(compressor.exchange, compressor.name),)
 
     def vectors_of(tree):
         """The flat float vectors to compress, and the function that rebuilds the tree."""
@@ -156,22 +167,28 @@ def compressed_allreduce(
 
     def init_fn(params):
         key = jax.random.key(0)
+        world = _group_size(comm) if two_phase else 1
 
-        def payload_of(abstract):
+        def payloads_of(abstract):
+            """The payload of one event of each kind, for the vectors of ``abstract``."""
             vecs = jax.eval_shape(lambda t: vectors_of(t)[0], abstract)
-            return payload_bytes([jax.eval_shape(compressor.encode, v, key) for v in vecs])
+            if not two_phase:
+                return [payload_bytes([jax.eval_shape(compressor.encode, v, key) for v in vecs])]
+            first = [jax.eval_shape(lambda v: compressor.encode_chunks(v, world, key), v) for v in vecs]
+            second = [jax.eval_shape(lambda p: compressor.reduce_chunks(p, 0, key), p) for p in first]
+            return [payload_bytes(first), payload_bytes(second)]
 
         if model_sharding is None:
-            sent = payload_of(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, residual_dtype), params))
+            sent = payloads_of(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, residual_dtype), params))
         else:  # every device of a replica sends the payloads of its blocks, group by group
             blocks = jax.tree.leaves(model_sharding.blocks(params, residual_dtype))
-            groups = model_sharding.groups(params).values()
-            sent = model_sharding.devices * sum(payload_of([blocks[i] for i in ix]) for ix in groups)
+            by_group = [payloads_of([blocks[i] for i in ix]) for ix in model_sharding.groups(params).values()]
+            sent = [model_sharding.devices * sum(per_kind) for per_kind in zip(*by_group)]
         error = jax.tree.map(lambda p: jnp.zeros(p.shape, residual_dtype), params) if error_feedback else ()
         return CompressedAllReduceState(
             compress_step=jnp.zeros((), jnp.int32),
             error=error,
-            compressed_ledger=CommLedger.create({kind: sent}),
+            compressed_ledger=CommLedger.create(dict(zip(kinds, sent))),
         )
 
     def update_fn(updates, state, params=None, **extra):
@@ -181,10 +198,13 @@ def compressed_allreduce(
             out, *error = exchange(None, None, *trees, state.compress_step)
         else:
             out, *error = by_split_axes(exchange, model_sharding, trees, (state.compress_step,))
+        ledger = state.compressed_ledger
+        for kind in kinds:
+            ledger = ledger.record(kind)
         return out, CompressedAllReduceState(
             compress_step=optax.safe_increment(state.compress_step),
             error=error[0] if error_feedback else state.error,
-            compressed_ledger=state.compressed_ledger.record(kind),
+            compressed_ledger=ledger,
         )
 
     def exchange(axes, group, updates, *rest):
@@ -197,24 +217,58 @@ def compressed_allreduce(
             v_tree = jax.tree.map(lambda g, e: g.astype(residual_dtype) + e, updates, kept)
         vecs, rebuild = vectors_of(v_tree)
         ks = keys(compress_step, len(vecs), axes, group)
-        # A 16-bit payload that is summed (the casts) is the mean's share v / W, so the float16 sum
-        # stays in range wherever the mean is (see optaxdist.comm.base.divides_first).
-        first = compressor.exchange == "all_reduce" and _narrow_payload(compressor, vecs, ks)
-        share = jnp.asarray(comm.size if first else 1, residual_dtype)
-        payloads = [compressor.encode(v / share if first else v, k) for v, k in zip(vecs, ks)]
-        if compressor.exchange == "all_reduce":
-            received = comm.psum(payloads)
+        if two_phase:
+            averaged, sent = _two_phase(compressor, comm, vecs, ks)
         else:
-            received = comm.all_gather(payloads)
-        world = 1 if first else comm.size
-        averaged = [compressor.combine(r, v.shape[0], world, k) for r, v, k in zip(received, vecs, ks)]
+            averaged, sent = _one_collective(compressor, comm, vecs, ks, residual_dtype)
         out = jax.tree.map(lambda a, g: a.astype(g.dtype), rebuild(averaged), updates)
         if error_feedback:
-            sent = [share * compressor.decode(p, v.shape[0], k) for p, v, k in zip(payloads, vecs, ks)]
-            return out, jax.tree.map(lambda v, s: v - s.astype(residual_dtype), v_tree, rebuild(sent))
+            return out, jax.tree.map(lambda v, s: v - s.astype(residual_dtype), v_tree, rebuild(sent()))
         return (out,)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _group_size(comm: Communicator) -> int:
+    try:
+        return comm.size
+    except ValueError as e:
+        raise ValueError(
+            'compressed_allreduce with quantize(exchange="two_phase") needs the group size at init '
+            "(each vector is padded to one chunk of whole blocks per replica): call init where the "
+            "replica axis is bound, e.g. optaxdist.simulate(tx.init)(params) or inside on_mesh"
+        ) from e
+
+
+def _one_collective(compressor, comm, vecs, ks, dtype):
+    """The averaged vectors through one all-reduce or all-gather, and a function giving what each
+    vector's payload stands for (for error feedback)."""
+    # A 16-bit payload that is summed (the casts) is the mean's share v / W, so the float16 sum
+    # stays in range wherever the mean is (see optaxdist.comm.base.divides_first).
+    first = compressor.exchange == "all_reduce" and _narrow_payload(compressor, vecs, ks)
+    share = jnp.asarray(comm.size if first else 1, dtype)
+    payloads = [compressor.encode(v / share if first else v, k) for v, k in zip(vecs, ks)]
+    if compressor.exchange == "all_reduce":
+        received = comm.psum(payloads)
+    else:
+        received = comm.all_gather(payloads)
+    world = 1 if first else comm.size
+    averaged = [compressor.combine(r, v.shape[0], world, k) for r, v, k in zip(received, vecs, ks)]
+    sent = lambda: [share * compressor.decode(p, v.shape[0], k) for p, v, k in zip(payloads, vecs, ks)]
+    return averaged, sent
+
+
+def _two_phase(compressor, comm, vecs, ks):
+    """The two-phase exchange (``Quantize``): an all-to-all of every vector's chunks, each replica
+    averages and re-encodes its chunk, an all-gather of those. Also returns a function giving what
+    each vector's first-phase payload stands for (for error feedback)."""
+    payloads = [compressor.encode_chunks(v, comm.size, k) for v, k in zip(vecs, ks)]
+    received = comm.all_to_all(payloads)
+    mine = [compressor.reduce_chunks(r, comm.index(), k) for r, k in zip(received, ks)]
+    gathered = comm.all_gather(mine)
+    averaged = [compressor.decode_chunks(g, v.shape[0]) for g, v in zip(gathered, vecs)]
+    sent = lambda: [compressor.decode_chunks(p, v.shape[0]) for p, v in zip(payloads, vecs)]
+    return averaged, sent
 
 
 class ExactWarmupState(NamedTuple):
