@@ -99,3 +99,5 @@ def test_bad_arguments():
         compress.chunked_top_k(64, 12, values=compress.quantize(8, block_size=8))
     with pytest.raises(TypeError, match="values must be"):
         compress.chunked_top_k(64, 8, values=compress.cast("bfloat16"))
+    with pytest.raises(ValueError, match="exchange='two_phase'"):
+        compress.chunked_top_k(64, 8, values=compress.quantize(8, block_size=8, exchange="two_phase"))

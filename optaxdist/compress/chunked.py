@@ -52,6 +52,11 @@ class ChunkedTopK(Compressor):
                 raise TypeError(
                     f"values must be None (float32) or optaxdist.compress.quantize(...), got {self.values!r}"
                 )
+            if self.values.exchange != "all_gather":
+                raise ValueError(
+                    f"values=quantize(..., exchange={self.values.exchange!r}): the kept values are encoded "
+                    "inside the chunked payload, so values must use the default exchange='all_gather'"
+                )
             if self.k % self.values.block_size:
                 raise ValueError(
                     f"values.block_size={self.values.block_size} must divide k={self.k}: a quantization "
