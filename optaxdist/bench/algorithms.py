@@ -190,6 +190,31 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
         ),
         "DiLoCo, H = 50, pseudo-gradients top-10% with error feedback",
     ),
+    *(
+        Algorithm(
+            f"diloco-30-int{bits}",
+            lambda comm, local, ctx, bits=bits: optaxdist.diloco(
+                local,
+                ctx.diloco_outer(),
+                comm=comm,
+                period=30,
+                reducer=optaxdist.compressed_allreduce(
+                    C.quantize(bits, block_size=64, exchange="two_phase"), comm=comm
+                ),
+            ),
+            f"DiLoCo, H = 30, pseudo-gradients int{bits}/64 by the two-phase quantized all-reduce, "
+            "error feedback",
+        )
+        for bits in (8, 4)
+    ),
+    Algorithm(
+        "muloco-30",
+        lambda comm, local, ctx: optaxdist.diloco(
+            optax.contrib.muon(0.02, adam_learning_rate=ctx.lr), ctx.diloco_outer(), comm=comm, period=30
+        ),
+        "MuLoCo: DiLoCo, H = 30, inner Muon (optax.contrib.muon, lr 0.02; Adam at --lr on non-matrix "
+        "leaves) in place of the local optimizer",
+    ),
     Algorithm(
         "sparseloco-30",
         lambda comm, local, ctx: optaxdist.sparseloco(

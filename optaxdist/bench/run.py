@@ -159,7 +159,9 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
         )
 
     params = optaxdist.replicate(params0, n)
-    opt_state = jax.vmap(tx.init)(params)
+    # init where the replica axes are bound, as the steps run: a transform may need the group size
+    init = optaxdist.simulate(tx.init, axis_name=hierarchy.world.axis_name, shape=(nodes, n // nodes))
+    opt_state = init(params)
     key = jax.random.key(cfg.seed + 1)
     t0 = time.perf_counter()
     compiled = (
