@@ -194,7 +194,11 @@ def demo(
       nonfinite: ``"skip"`` or ``"ignore"``, see above.
 
     Example:
-      >>> tx = optaxdist.demo(4e-4, comm=optaxdist.AxisComm("replica"))
+      >>> tx = optaxdist.demo(0.1, comm=comm, chunk_size=4, k=16)  # whole 4 × 4 blocks sent
+      >>> g = jnp.stack([jnp.full((4, 4), i - 1.0) for i in range(4)])  # 4 replicas, mean 0.5
+      >>> u = jax.vmap(lambda g: tx.update(g, tx.init(g))[0], axis_name="replica")(g)
+      >>> u[0, 0]  # −lr · sign(mean)
+      Array([-0.1, -0.1, -0.1, -0.1], dtype=float32)
 
     References:
       Peng, Quesnelle, Kingma, "DeMo: Decoupled Momentum Optimization", arXiv:2411.19870, 2024.
