@@ -55,6 +55,7 @@ from optaxdist.transforms.compressed import (
     exact_warmup,
 )
 from optaxdist.transforms.daso import DasoEvents, DasoState, HeatQuirks, daso
+from optaxdist.transforms.demo import DemoState, demo
 from optaxdist.transforms.gossip import (
     PushSumState,
     consensus_distance,
@@ -113,6 +114,8 @@ __all__ = [
     "DasoEvents",
     "DasoState",
     "decentralized_sgd",
+    "demo",
+    "DemoState",
     "diloco",
     "diloco_outer_optimizer",
     "dynamic_loss_scale",

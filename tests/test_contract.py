@@ -138,6 +138,10 @@ TRANSFORMS = {
         dict(first_cycle=(0, 1, 1)),
     ),
     "sign_sgd": (lambda **kw: od.sign_sgd(0.1, momentum=0.9, **kw), dict(weight_decay=-1.0)),
+    "demo": (
+        lambda **kw: od.demo(0.1, comm=COMM, **({"chunk_size": 2, "k": 2, "weight_decay": 0.01} | kw)),
+        dict(momentum_decay=1.0),
+    ),
     "averaged_iterate": (lambda **kw: od.averaged_iterate(**({"shift": 3.0} | kw)), dict(shift=0.0)),
     "singa_sgd": (
         lambda **kw: od.singa_sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),

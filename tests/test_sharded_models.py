@@ -104,6 +104,7 @@ TRANSFORMS = {
         heat_quirks=od.HeatQuirks.all(),
     ),
     "sign_sgd": lambda c, n: od.sign_sgd(0.1, momentum=0.9),
+    "demo": lambda c, n: od.demo(0.1, comm=c, chunk_size=4, k=3, sign=False, weight_decay=0.01),
     "averaged_iterate": lambda c, n: optax.chain(_sgd(), od.averaged_iterate(shift=3.0)),
     "singa_sgd": lambda c, n: od.singa_sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=1e-3),
 }

@@ -130,6 +130,12 @@ COMPRESSION_ALGORITHMS: list[Algorithm] = [
         _powersgd(2, error_feedback=False),
         "PowerSGD rank 2 without error feedback, warm start, warmup_steps=0",
     ),
+    Algorithm(
+        "demo",
+        lambda comm, local, ctx: optaxdist.demo(ctx.lr, comm=comm),
+        "DeMo: local momentum (decay 0.999), 32 of every 64×64 DCT coefficients sent (12-bit indices, "
+        "float32 values), sign-of-mean step with --lr (ignores the local optimizer)",
+    ),
 ]
 
 T = optaxdist.topology
