@@ -55,6 +55,7 @@ from optaxdist.transforms.compressed import (
     exact_warmup,
 )
 from optaxdist.transforms.daso import DasoEvents, DasoState, HeatQuirks, daso
+from optaxdist.transforms.des_loc import des_loc
 from optaxdist.transforms.gossip import (
     PushSumState,
     consensus_distance,
@@ -113,6 +114,7 @@ __all__ = [
     "DasoEvents",
     "DasoState",
     "decentralized_sgd",
+    "des_loc",
     "diloco",
     "diloco_outer_optimizer",
     "dynamic_loss_scale",
