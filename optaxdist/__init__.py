@@ -56,6 +56,7 @@ from optaxdist.transforms.compressed import (
 )
 from optaxdist.transforms.daso import DasoEvents, DasoState, HeatQuirks, daso
 from optaxdist.transforms.demo import DemoState, demo
+from optaxdist.transforms.des_loc import des_loc
 from optaxdist.transforms.gossip import (
     PushSumState,
     consensus_distance,
@@ -116,6 +117,7 @@ __all__ = [
     "decentralized_sgd",
     "demo",
     "DemoState",
+    "des_loc",
     "diloco",
     "diloco_outer_optimizer",
     "dynamic_loss_scale",

@@ -72,6 +72,14 @@ TRANSFORMS = {
         ),
         dict(period=0),
     ),
+    "des_loc": (
+        lambda **kw: od.des_loc(
+            optax.sgd(0.1, momentum=0.9),
+            comm=COMM,
+            **({"period": 1, "state_periods": {"trace": 2}, "warmup_steps": 1} | kw),
+        ),
+        dict(state_periods={"trace": 0}),
+    ),
     "diloco": (lambda **kw: od.diloco(optax.sgd(0.1), comm=COMM, **({"period": 1} | kw)), dict(period=-1)),
     "sparseloco": (
         lambda **kw: od.sparseloco(

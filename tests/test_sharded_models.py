@@ -72,6 +72,7 @@ TRANSFORMS = {
     "local_sgd": lambda c, n: od.local_sgd(
         _momentum(), comm=c, period=2, warmup_steps=1, average_inner_state=True
     ),
+    "des_loc": lambda c, n: od.des_loc(_momentum(), comm=c, period=1, state_periods={"trace": 2}),
     "diloco": lambda c, n: od.diloco(_sgd(), comm=c, period=2),
     "sparseloco": lambda c, n: od.sparseloco(_sgd(), comm=c, period=2, chunk_size=16, k=4),
     "slowmo_memory_efficient": lambda c, n: od.slowmo(

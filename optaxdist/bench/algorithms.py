@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -92,6 +93,19 @@ def _with_and_without_ef(name: str, compressor, description: str) -> list[Algori
         Algorithm(f"{name}-ef", _compressed(compressor), f"{description}, error feedback"),
         Algorithm(name, _compressed(compressor, error_feedback=False), description),
     ]
+
+
+def _paper_moment_periods(local: optax.GradientTransformation, period: int) -> dict[str, int]:
+    """DES-LOC's periods for the moments ``local`` has: Adam's ``mu`` 3× and ``nu`` 6× ``period``
+    (the paper's setting), SGD's momentum ``trace`` 3×; none for plain SGD."""
+    state = jax.eval_shape(local.init, jax.ShapeDtypeStruct((), jnp.float32))
+    fields = {
+        key.name
+        for path, _ in jax.tree_util.tree_leaves_with_path(state)
+        for key in path
+        if isinstance(key, jax.tree_util.GetAttrKey)
+    }
+    return {name: m * period for name, m in {"mu": 3, "nu": 6, "trace": 3}.items() if name in fields}
 
 
 C = optaxdist.compress
@@ -228,6 +242,19 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
         ),
         "SparseLoCo, H = 30: 64 of every 4096 pseudo-gradient entries, 12-bit indices, 2-bit values, "
         "error feedback decay 0.95, outer SGD lr 1",
+    ),
+    Algorithm(
+        "local-adam-50",
+        lambda comm, local, ctx: optaxdist.local_sgd(local, comm=comm, period=50, average_inner_state=True),
+        "Local Adam: local steps; parameters and the optimizer state averaged every 50 steps",
+    ),
+    Algorithm(
+        "des-loc-50",
+        lambda comm, local, ctx: optaxdist.des_loc(
+            local, comm=comm, period=50, state_periods=_paper_moment_periods(local, 50)
+        ),
+        "DES-LOC: parameters averaged every 50 steps, Adam's mu every 150 and nu every 300 "
+        "(SGD's momentum every 150)",
     ),
     Algorithm(
         "streaming-diloco-50",

@@ -288,7 +288,9 @@ def periodic(
                 local_params = optax.apply_updates(params, u)
                 x = then(SyncInput(t, params, u, local_params, inner_state, sync_state, ledger))
                 inner_state, sync_state, ledger = x.inner_state, x.sync_state, x.ledger
-                if moves_params:
+                # a synchronization that returns ``local`` itself (it averaged optimizer state
+                # only) leaves the local step's update as it was, not ``(params + u) − params``
+                if moves_params and x.local is not local_params:
                     u = jax.tree.map(lambda n, p: (n - p.astype(n.dtype)).astype(p.dtype), x.local, params)
                     # a leaf the synchronization returned as it got it is untouched (static)
                     before, after = jax.tree.leaves(local_params), jax.tree.leaves(x.local)
