@@ -253,6 +253,9 @@ def test_bad_exchange_and_hierarchical_groups_refuse():
             comm.all_to_all(jnp.zeros((comm.size, 3)))
     with pytest.raises(NotImplementedError, match='exchange="two_phase"'):
         NodeComm(cross).by_level("all_to_all", [(64, 1)])
+    for comm in (NodeComm(cross), cross):  # at construction, before any step
+        with pytest.raises(NotImplementedError, match='exchange="two_phase"'):
+            od.compressed_allreduce(compress.quantize(8, exchange="two_phase"), comm=comm)
 
 
 @pytest.mark.slow

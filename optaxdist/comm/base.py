@@ -13,7 +13,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +72,9 @@ def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
 
 class Communicator(abc.ABC):
     """A group of replicas that can exchange values (see ``AxisComm`` and ``MpiComm``)."""
+
+    #: whether ``all_to_all`` works (a hierarchical group of several MPI processes has none)
+    has_all_to_all: ClassVar[bool] = True
 
     @property
     @abc.abstractmethod

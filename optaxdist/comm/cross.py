@@ -226,6 +226,8 @@ class CrossComm(Communicator):
     def _psum_scatter(self, x):
         return self._call("reduce_scatter", x, jax.ShapeDtypeStruct((x.shape[0] // self.size,), x.dtype))
 
+    has_all_to_all = False
+
     def _all_to_all(self, x):
         refuse_all_to_all(self)
 

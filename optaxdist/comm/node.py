@@ -92,6 +92,8 @@ class NodeComm(Communicator):
         by_local = jnp.swapaxes(x.reshape(nodes, local, -1), 0, 1).reshape(-1)  # [G·N·B]
         return self.cross._psum_scatter(self.local._psum_scatter(by_local))
 
+    has_all_to_all = False
+
     def _all_to_all(self, x):
         refuse_all_to_all(self)
 

@@ -11,7 +11,7 @@ from jax.flatten_util import ravel_pytree
 
 from optaxdist.accounting import CommLedger, Kind, payload_bytes, per_replica
 from optaxdist.agreement import configured
-from optaxdist.comm.base import Communicator, divides_first
+from optaxdist.comm.base import Communicator, divides_first, refuse_all_to_all
 from optaxdist.compress.base import Compressor
 from optaxdist.sharding import ModelSharding, by_split_axes
 from optaxdist.transforms._checks import check_comm, check_number, check_warmup_steps
@@ -144,6 +144,8 @@ def compressed_allreduce(
     if model_sharding is not None and not isinstance(model_sharding, ModelSharding):
         raise TypeError(f"model_sharding must be an optaxdist.ModelSharding or None, got {model_sharding!r}")
     two_phase = compressor.exchange == "two_phase"
+    if two_phase and not comm.has_all_to_all:
+        refuse_all_to_all(comm)
     if two_phase:
         kinds = (Kind("all_to_all", compressor.name), Kind("all_gather", compressor.name))
     else:
