@@ -15,17 +15,19 @@ from optaxdist.compress.chunked import pack_bits, unpack_bits
 KEY = jax.random.key(0)
 
 
-def _numpy_chunked_top_k(x: np.ndarray, chunk: int, k: int) -> np.ndarray:
-    """The sparse vector of each chunk's ``k`` largest magnitudes (the last chunk zero-padded)."""
-    num = math.ceil(x.size / chunk)
-    padded = np.zeros(num * chunk, np.float32)
-    padded[: x.size] = x
+def numpy_chunked_top_k(x: np.ndarray, chunk: int, k: int) -> np.ndarray:
+    """The sparse array of each chunk's ``k`` largest magnitudes of ``x`` flattened (the last chunk
+    zero-padded), in ``x``'s shape and dtype."""
+    flat = x.reshape(-1)
+    num = math.ceil(flat.size / chunk)
+    padded = np.zeros(num * chunk, flat.dtype)
+    padded[: flat.size] = flat
     out = np.zeros_like(padded)
     for c in range(num):
         part = padded[c * chunk : (c + 1) * chunk]
         keep = np.argsort(-np.abs(part), kind="stable")[:k]
         out[c * chunk + keep] = part[keep]
-    return out[: x.size]
+    return out[: flat.size].reshape(x.shape)
 
 
 @pytest.mark.parametrize("bits", [1, 3, 7, 12, 16])
@@ -42,7 +44,7 @@ def test_each_chunk_keeps_its_k_largest_entries(size, chunk, k):
     c = compress.chunked_top_k(chunk, k)
     x = jnp.asarray(np.random.default_rng(size).normal(size=size).astype(np.float32))
     sent = c.decode(c.encode(x, KEY), size, KEY)
-    np.testing.assert_array_equal(np.asarray(sent), _numpy_chunked_top_k(np.asarray(x), chunk, k))
+    np.testing.assert_array_equal(np.asarray(sent), numpy_chunked_top_k(np.asarray(x), chunk, k))
 
 
 def test_quantized_values_are_the_quantizer_of_the_kept_values():
@@ -50,7 +52,7 @@ def test_quantized_values_are_the_quantizer_of_the_kept_values():
     c = compress.chunked_top_k(16, 4, values=values)
     x = jnp.asarray(np.random.default_rng(2).normal(size=50).astype(np.float32))
     sent = np.asarray(c.decode(c.encode(x, KEY), 50, KEY))
-    exact = _numpy_chunked_top_k(np.asarray(x), 16, 4)
+    exact = numpy_chunked_top_k(np.asarray(x), 16, 4)
     assert np.array_equal(sent != 0, exact != 0)  # the same positions
     kept = exact[exact != 0]
     np.testing.assert_array_equal(
@@ -77,12 +79,12 @@ def test_all_replicas_sum_of_what_each_sent_over_world(harness):
     c = compress.chunked_top_k(16, 3)
     tx = od.compressed_allreduce(c, comm=harness.comm)
     out, state = harness.run(lambda x: tx.update(x, tx.init(x)), g)
-    want = sum(_numpy_chunked_top_k(g["w"][i].reshape(-1), 16, 3) for i in range(n)) / n
+    want = sum(numpy_chunked_top_k(g["w"][i].reshape(-1), 16, 3) for i in range(n)) / n
     np.testing.assert_allclose(out["w"][0].reshape(-1), want, atol=1e-7)
     for i in range(n):
         np.testing.assert_array_equal(
             state.error["w"][i].reshape(-1),
-            g["w"][i].reshape(-1) - _numpy_chunked_top_k(g["w"][i].reshape(-1), 16, 3),
+            g["w"][i].reshape(-1) - numpy_chunked_top_k(g["w"][i].reshape(-1), 16, 3),
         )
     # 40 values: 3 chunks × 3 indices of 4 bits (5 bytes), 9 float32 values
     assert od.comm_stats(state).by_kind == {"all_gather[chunked_top_k/3of16]": od.KindTotals(1, 5 + 36)}

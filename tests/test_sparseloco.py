@@ -1,8 +1,6 @@
 """SparseLoCo: DiLoCo with chunked top-k pseudo-gradients, a decaying error-feedback buffer and an
 outer SGD step."""
 
-import math
-
 import numpy as np
 import optax
 import pytest
@@ -10,22 +8,10 @@ import pytest
 import optaxdist as od
 from tests.problems import init_params, np_grad, replica_data
 from tests.test_allreduce import LR, run_trajectory
+from tests.test_chunked_top_k import numpy_chunked_top_k
 from tests.test_local_sgd import close, sync_stats
 
 STEPS, PERIOD = 12, 3
-
-
-def np_chunked_top_k(v: np.ndarray, chunk: int, k: int) -> np.ndarray:
-    flat = v.reshape(-1)
-    num = math.ceil(flat.size / chunk)
-    padded = np.zeros(num * chunk)
-    padded[: flat.size] = flat
-    out = np.zeros_like(padded)
-    for c in range(num):
-        part = padded[c * chunk : (c + 1) * chunk]
-        keep = np.argsort(-np.abs(part), kind="stable")[:k]
-        out[c * chunk + keep] = part[keep]
-    return out[: flat.size].reshape(v.shape)
 
 
 def np_sparseloco(n, *, chunk, k, decay, outer_lr, steps=STEPS, period=PERIOD):
@@ -41,7 +27,7 @@ def np_sparseloco(n, *, chunk, k, decay, outer_lr, steps=STEPS, period=PERIOD):
             sent = []
             for i in range(n):
                 v = {key: anchor[key] - params[i][key] + decay * error[i][key] for key in anchor}
-                s = {key: np_chunked_top_k(v[key], chunk, k) for key in v}
+                s = {key: numpy_chunked_top_k(v[key], chunk, k) for key in v}
                 error[i] = {key: v[key] - s[key] for key in v}
                 sent.append(s)
             anchor = {key: anchor[key] - outer_lr * sum(s[key] for s in sent) / n for key in anchor}
