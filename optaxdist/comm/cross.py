@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optaxdist._compat import manual_axes, pcast_varying
+from optaxdist._compat import host_callback, manual_axes, pcast_varying
 from optaxdist.comm.base import Communicator, refuse_all_to_all
 
 _TAGS: contextvars.ContextVar[Iterator[int] | None] = contextvars.ContextVar("optaxdist_tags", default=None)
@@ -215,7 +215,9 @@ class CrossComm(Communicator):
 
         local = jax.lax.axis_index(self.local_axis)
         x = pcast_varying(x, (self.local_axis,))
-        return jax.pure_callback(host, out, local, x, vmap_method="sequential")
+        # not jax.pure_callback: its copy of the operands onto CPU device 0 deadlocks a node of CPU
+        # devices (device 0 is busy with its own part of the step; see host_callback)
+        return host_callback(host, out, local, x)
 
     def _psum(self, x):
         return self._call("all_reduce", x, jax.ShapeDtypeStruct(x.shape, x.dtype))
