@@ -13,7 +13,7 @@ import jax
 
 from optaxdist.comm.axis import AxisComm
 from optaxdist.comm.base import Communicator
-from optaxdist.comm.cross import CrossComm, _Exchange
+from optaxdist.comm.cross import DEFAULT_TIMEOUT_S, CrossComm, _Exchange, check_timeout
 from optaxdist.comm.cross import _mpi as _mpi4py
 from optaxdist.comm.mpi import MpiComm, _mpi
 from optaxdist.comm.node import NodeComm
@@ -97,7 +97,9 @@ def mpi_hierarchy(local_size: int | None = None, *, comm: Any = None) -> Hierarc
     return Hierarchy(world, MpiComm(local), MpiComm(cross), num_nodes, local_size)
 
 
-def node_hierarchy(*, devices: list[jax.Device] | None = None, comm: Any = None) -> Hierarchy:
+def node_hierarchy(
+    *, devices: list[jax.Device] | None = None, comm: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Hierarchy:
     """One process per node: ``local`` = this process's devices (``jax.lax`` collectives over the
     mesh axis ``'local'``), ``cross`` = the devices with my local index on every node (MPI),
     ``world`` = both composed (``NodeComm``: local reduce-scatter → cross-node all-reduce of 1/G of
@@ -107,11 +109,17 @@ def node_hierarchy(*, devices: list[jax.Device] | None = None, comm: Any = None)
     Args:
       devices: the node's devices (default: ``jax.local_devices()``); every node must have as many.
       comm: the mpi4py communicator of the nodes, one process each (default ``COMM_WORLD``).
+      timeout_s: how long a cross-node exchange waits for the other nodes (seconds, default 300).
+        A peer that has not answered by then (a node that skipped a step, ran another program or
+        died) ends the job: the exchange writes this rank, the ranks not heard from, the exchange
+        and the deadline to stderr, and aborts the MPI job (``MPI_Abort``) so that ``mpirun``
+        ends every node instead of hanging.
 
     Launch one process per node (MPICH ``mpirun -n <nodes> --ppn 1``, Open MPI ``mpirun -n <nodes>
     --map-by ppr:1:node``, ``srun --ntasks-per-node=1``) with
     no ``jax.distributed``: the processes meet only through MPI.
     """
+    timeout_s = check_timeout(timeout_s)
     MPI = _mpi4py()
     comm = MPI.COMM_WORLD if comm is None else comm
     devices = list(jax.local_devices() if devices is None else devices)
@@ -125,5 +133,5 @@ def node_hierarchy(*, devices: list[jax.Device] | None = None, comm: Any = None)
     mesh = jax.make_mesh(
         (local_size,), (LOCAL_AXIS,), devices=devices, axis_types=(jax.sharding.AxisType.Auto,)
     )
-    cross = CrossComm(_Exchange(comm, local_size), LOCAL_AXIS, local_size)
+    cross = CrossComm(_Exchange(comm, local_size, timeout_s=timeout_s), LOCAL_AXIS, local_size)
     return Hierarchy(NodeComm(cross), AxisComm(LOCAL_AXIS), cross, cross.size, local_size, mesh)
