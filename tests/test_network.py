@@ -116,6 +116,32 @@ def test_two_processes_send_what_the_ledger_says(tmp_path):
     assert _namespaces_of("odnet") == []
 
 
+@pytest.mark.slow
+@needs_netns
+def test_one_process_per_node_sends_what_the_levels_say(tmp_path):
+    """Layout ``node``: 2 namespaces, one MPI rank each with 2 CPU devices (node_hierarchy,
+    on_node), full-size float32 and bfloat16 all-reduces (3.7 MB per device: the size that
+    deadlocked through jax.pure_callback). What the node's link carries is its 2 devices' cross-node
+    all-reduces of half the data each (the levelled ledger, by the ring formula), within TCP/IP
+    headers."""
+    out = subprocess.run(
+        [sys.executable, "-m", "optaxdist.bench", "--suite", "network", "--net-nodes", "2", "--rates", "1000",
+         "--layouts", "node", "--devices-per-node", "2", "--algorithms", "allreduce-fp32,allreduce-bf16",
+         "--steps", "4", "--no-plots", "--out", str(tmp_path), "--quiet", "--timeout", "600"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["algorithm"]: r for r in json.loads((tmp_path / "network.json").read_text())["results"]}
+    fp32, bf16 = rows["allreduce-fp32"], rows["allreduce-bf16"]
+    assert bf16["ledger_bytes_per_step"] * 2 == fp32["ledger_bytes_per_step"]
+    for r in (fp32, bf16):
+        assert r["layout"] == "node" and r["devices_per_node"] == 2
+        # N = 2: each device's cross all-reduce of S/2 sends S/2; the node's 2 devices send S (+ padding)
+        assert r["ledger_bytes_per_step"] <= r["ring_wire_bytes_per_step"] < r["ledger_bytes_per_step"] + 64
+        assert 1.0 <= r["measured_over_ring"] < 1.05
+    assert _namespaces_of("odnet") == []
+
+
 _SERVER = """
 import socket
 s = socket.socket(); s.bind(("0.0.0.0", 5001)); s.listen(); c, _ = s.accept(); n = 0

@@ -174,7 +174,8 @@ def _parser() -> argparse.ArgumentParser:
         "--layouts",
         default="distributed",
         help="comma list of: distributed (jax.distributed, one process per node, on_mesh), mpi (one "
-        "MPI rank per device, on_mpi; MPICH over TCP between the namespaces)",
+        "MPI rank per device, on_mpi; MPICH over TCP between the namespaces), node (one MPI rank per "
+        "node with --devices-per-node CPU devices, node_hierarchy + on_node)",
     )
     n.add_argument("--devices-per-node", type=int, default=1, help="CPU devices (mpi: ranks) per node")
     n.add_argument(

@@ -4,7 +4,9 @@ For each layout, node count and link rate, ``run_network_suite`` builds a ``Lab`
 namespace per node on a bridge, each link rate-limited with ``tc``), starts the
 ``optaxdist.bench.network_worker`` processes of each node in its namespace (``distributed``: one
 ``jax.distributed`` process per node, CPU collectives over gloo; ``mpi``: one MPICH rank per
-device, launched by one ``mpiexec``, TCP between the namespaces) and collects, per algorithm row:
+device, launched by one ``mpiexec``, TCP between the namespaces; ``node``: one MPICH rank per node
+with ``devices_per_node`` CPU devices, ``node_hierarchy`` + ``on_node``, launched the same way) and
+collects, per algorithm row:
 
 * the ledger's bytes per step, and what one node sends for them by the ring formulas
   (``cost.wire_bytes``), against the bytes the interface counted (headers included);
@@ -42,8 +44,11 @@ NETWORK_ROWS = ("allreduce-fp32", "allreduce-bf16", "powersgd-r2", "topk-1%-ef",
 NOMINAL_LATENCY_S = 50e-6
 CALIBRATED = ("all_reduce", "all_gather", "permute")
 #: distributed: jax.distributed, one process per node (its devices_per_node devices), on_mesh;
-#: mpi: one MPI rank per device (MpiComm, on_mpi).
-LAYOUTS = ("distributed", "mpi")
+#: mpi: one MPI rank per device (MpiComm, on_mpi); node: one MPI rank per node, its devices_per_node
+#: devices through jax.lax and the nodes through MPI (node_hierarchy, on_node).
+LAYOUTS = ("distributed", "mpi", "node")
+#: the layouts launched by one mpiexec (each node's ranks in its namespace)
+MPI_LAYOUTS = ("mpi", "node")
 #: MPICH between namespaces: no shared memory, libfabric's TCP provider on the lab's interface.
 MPI_OVER_TCP = {
     "MPIR_CVAR_NOLOCAL": "1",
@@ -138,7 +143,7 @@ def run_config(cfg: NetworkConfig, layout: str, nodes: int, rate_mbit: float | N
             path = os.path.join(tmp, "config.json")
             with open(path, "w") as f:
                 json.dump(worker_cfg, f)
-            env = _worker_env(1 if layout == "mpi" else g, mpi=layout == "mpi" and lab is not None)
+            env = _worker_env(1 if layout == "mpi" else g, mpi=layout in MPI_LAYOUTS and lab is not None)
             procs = []
             per_node = g if layout == "mpi" else 1
             commands = []
@@ -147,7 +152,7 @@ def run_config(cfg: NetworkConfig, layout: str, nodes: int, rate_mbit: float | N
                 commands.append(argv if lab is None else lab.command(i, argv))
             if layout == "distributed":
                 launches = commands
-            else:  # one mpiexec, each node's ranks in its own namespace (MPMD)
+            else:  # mpi, node: one mpiexec, each node's ranks in its own namespace (MPMD)
                 mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
                 launch = [mpiexec]
                 for argv in commands:
@@ -226,9 +231,15 @@ def _smoothed(values: Sequence[float], window: int) -> list[float]:
 def node_wire_bytes(ledger: dict[Kind, tuple[int, int]], nodes: int, g: int) -> float | None:
     """What one node sends through its link for the ledger of one replica, by the ring formulas,
     with one device per node; None with several (where a flat ring over them puts its node
-    boundaries is the backend's business, not modelled)."""
+    boundaries is the backend's business, not modelled), unless ``ledger`` is split by level
+    (``comm_stats(levels=...)``, the ``node`` layout): then the node's ``g`` devices each send
+    their cross-node kinds through the link (local kinds stay inside; None if a world-scoped kind
+    is left, a permutation, whose split the ledger does not keep)."""
     if g > 1:
-        return None
+        if any(k.scope == "world" and c for k, (c, _) in ledger.items()):
+            return None
+        cross = [(k, c, b) for k, (c, b) in ledger.items() if k.scope == "cross" and c]
+        return g * sum(cost.wire_bytes(k, b / c, nodes) * c for k, c, b in cross)
     members = {"world": nodes, "cross": nodes, "local": 1}
     return sum(cost.wire_bytes(k, b / c, members[k.scope]) * c for k, (c, b) in ledger.items() if c)
 
@@ -258,7 +269,7 @@ def summarize(config_run: dict[str, Any], steps: int) -> list[dict[str, Any]]:
             for (c, payload, label, scope), t in ((t["kind"], t) for t in per[0]["ledger"].values())
         }
         ledger_bytes = sum(b for _, b in ledger.values()) / steps
-        ring = node_wire_bytes(ledger, nodes, g)
+        ring = node_wire_bytes(_levels(per[0]) if "levels" in per[0] else ledger, nodes, g)
         ring = None if ring is None else ring / steps
         measured = statistics.mean(w["rows"][name]["tx_bytes"] for w in first_of_node) / steps
         compute = statistics.mean(statistics.median(r["compute_s"]) for r in per)
@@ -294,6 +305,14 @@ def summarize(config_run: dict[str, Any], steps: int) -> list[dict[str, Any]]:
         reached = [t for t, v in zip(r["elapsed_s"], r["loss"]) if baseline and v <= baseline["final_loss"]]
         r["time_to_loss_s"] = reached[0] if reached else None
     return [{**r, "fitted_links": _links_json(fitted)} for r in rows]
+
+
+def _levels(row: dict[str, Any]) -> dict[Kind, tuple[int, int]]:
+    """A worker row's ledger split by level (``comm_stats(levels=world)``), as ``{Kind: totals}``."""
+    return {
+        Kind(c, payload, label=label, scope=scope): (t["collectives"], t["bytes"])
+        for (c, payload, label, scope), t in ((t["kind"], t) for t in row["levels"].values())
+    }
 
 
 def _links_json(links: dict[str, cost.Network] | None) -> dict[str, Any] | None:

@@ -1,8 +1,9 @@
 """One process of the network suite: ``python -m optaxdist.bench.network_worker CONFIG PROCESS_ID``.
 
 Started by ``optaxdist.bench.network`` inside its node's network namespace; joins the others with
-``jax.distributed`` (layout ``distributed``; CPU collectives over gloo) or MPI (layout ``mpi``; the
-rank replaces ``PROCESS_ID``), and writes ``process<ID>.json`` into the config's ``out`` directory:
+``jax.distributed`` (layout ``distributed``; CPU collectives over gloo) or MPI (layouts ``mpi`` and
+``node``; the rank replaces ``PROCESS_ID``), and writes ``process<ID>.json`` into the config's
+``out`` directory:
 
 * ``calibration`` (when the config asks for it): seconds per collective (all-reduce, all-gather,
   permute) for a range of sizes;
@@ -32,7 +33,7 @@ def _interface_bytes() -> tuple[int, int]:
         return int(tx.read()), int(rx.read())
 
 
-def _ledger(state: Any) -> dict[str, dict[str, Any]]:
+def _ledger(state: Any, levels: Any = None) -> dict[str, dict[str, Any]]:
     import optaxdist
 
     return {
@@ -41,7 +42,7 @@ def _ledger(state: Any) -> dict[str, dict[str, Any]]:
             "collectives": t.collectives,
             "bytes": t.bytes,
         }
-        for k, t in optaxdist.comm_stats(state).by_kind.items()
+        for k, t in optaxdist.comm_stats(state, levels=levels).by_kind.items()
     }
 
 
@@ -58,7 +59,8 @@ class Layout(NamedTuple):
 
 def make_layout(cfg: dict[str, Any], rank: int) -> Layout:
     """``distributed``: ``jax.distributed``, one process per node with ``devices_per_node``
-    devices, ``on_mesh``; ``mpi``: one process per device, ``MpiComm``, ``on_mpi``."""
+    devices, ``on_mesh``; ``mpi``: one process per device, ``MpiComm``, ``on_mpi``; ``node``: one
+    MPI process per node with ``devices_per_node`` devices, ``node_hierarchy``, ``on_node``."""
     import jax
 
     import optaxdist
@@ -69,6 +71,11 @@ def make_layout(cfg: dict[str, Any], rank: int) -> Layout:
         first_row = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
         h = optaxdist.mpi_hierarchy(local_size=g)
         return Layout(h, (rank,), optaxdist.on_mpi, first_row, lambda tree: tree)
+    if cfg["layout"] == "node":
+        # a peer that never answers ends the job well before the suite's own timeout
+        h = optaxdist.node_hierarchy(timeout_s=min(300.0, cfg["timeout_s"] / 4))
+        rows = tuple(range(rank * g, (rank + 1) * g))
+        return Layout(h, rows, lambda step: optaxdist.on_node(step, h), lambda tree: tree, _first)
     h = optaxdist.mesh_hierarchy(cfg["nodes"], g)
     rows = tuple(range(rank * g, (rank + 1) * g))
     return Layout(
@@ -202,6 +209,7 @@ def run_row(cfg: dict[str, Any], name: str, data: Any, layout: Layout, alone: La
     args, _, _ = timed(fn, args, cfg["warmup"])
     warmup_s = time.perf_counter() - t
     ledger0 = _ledger(layout.mine(args[1]))
+    state0 = args[1]
     counters0 = _interface_bytes()
     args, times, losses = timed(fn, args, cfg["steps"])
     counters1 = _interface_bytes()
@@ -209,7 +217,15 @@ def run_row(cfg: dict[str, Any], name: str, data: Any, layout: Layout, alone: La
     for k, totals in ledger1.items():
         totals["collectives"] -= ledger0[k]["collectives"]
         totals["bytes"] -= ledger0[k]["bytes"]
+    levels = {}
+    if cfg["layout"] == "node":  # what each level ran for the world's collectives (NodeComm)
+        levels0 = _ledger(layout.mine(state0), layout.hierarchy.world)
+        levels = _ledger(layout.mine(args[1]), layout.hierarchy.world)
+        for k, totals in levels.items():
+            totals["collectives"] -= levels0[k]["collectives"]
+            totals["bytes"] -= levels0[k]["bytes"]
     return {
+        **({"levels": levels} if levels else {}),
         "compute_s": compute_times,
         "warmup_s": warmup_s,
         "step_s": times,
@@ -249,7 +265,7 @@ def main(config_path: str, process_id: int) -> None:
 
     layout, alone = make_layout(cfg, process_id), _alone()
     data = load_dataset(cfg["dataset"], seed=cfg["seed"])
-    node = process_id // (cfg["devices_per_node"] if cfg["layout"] == "mpi" else 1)
+    node = process_id // (cfg["devices_per_node"] if cfg["layout"] == "mpi" else 1)  # node: a rank each
     record: dict[str, Any] = {"process": process_id, "node": node, "rows": {}}
     if cfg["calibration_bytes"]:
         record["calibration"] = calibrate(cfg, layout.hierarchy.mesh)
