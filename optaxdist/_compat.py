@@ -160,8 +160,9 @@ def _works(prim) -> bool:
         return out
 
     try:
-        cpu = jax.devices("cpu")[0]
-        got = jax.jit(double)(jax.device_put(np.arange(3, dtype=np.float32), cpu))
-        return np.array_equal(np.asarray(got), [0.0, 2.0, 4.0])
+        with jax.ensure_compile_time_eval():  # first use is often inside a trace: run it now
+            cpu = jax.devices("cpu")[0]
+            got = jax.jit(double)(jax.device_put(np.arange(3, dtype=np.float32), cpu))
+            return np.array_equal(np.asarray(got), [0.0, 2.0, 4.0])
     except Exception:  # noqa: BLE001 (any failure of JAX's internals means: use the public API)
         return False
