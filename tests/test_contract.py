@@ -290,3 +290,40 @@ def test_pmap_gives_the_numbers_of_simulate(name):
     got = jax.pmap(step, axis_name="replica", devices=jax.devices()[:N])(p)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+
+
+# the default run keeps the periodic engine, DASO and PowerSGD donated; the full run, every transform
+DONATE_DEFAULT = ("diloco", "daso", "powersgd")
+
+
+@pytest.mark.parametrize("where", ["simulate", "mesh"])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if n in DONATE_DEFAULT else pytest.mark.slow) for n in sorted(TRANSFORMS)],
+)
+def test_donating_params_and_state_changes_no_number(name, where):
+    """A training loop that donates parameters and state (``donate_argnums=(0, 1)``, the buffers
+    reused for the results) gets the bits of the same loop without donation."""
+    tx = TRANSFORMS[name][0]()
+
+    def step(p, s, t):
+        me = jax.lax.axis_index("replica").astype(jnp.float32)
+        g = jax.tree.map(lambda x: jnp.sin(x + me + t).astype(x.dtype), p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    if where == "simulate":
+        wrap = lambda f, **kw: od.simulate(f, **kw)
+    else:
+        mesh = jax.make_mesh((N,), ("replica",), devices=jax.devices()[:N])
+        wrap = lambda f, **kw: od.on_mesh(f, mesh, **kw)
+    results = []
+    for donate in ((), (0, 1)):
+        run = wrap(step, donate_argnums=donate)
+        p = stacked(make_params())
+        s = wrap(tx.init)(p)
+        for t in range(3):
+            p, s = run(p, s, jnp.full((N,), t, jnp.float32))
+        results.append(jax.tree.leaves((p, s)))
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))

@@ -2,8 +2,9 @@
 
 For every transform that synchronizes on a schedule, the step traced under ``simulate`` (vmap) and
 under ``on_mesh`` (shard_map) runs its collectives only inside ``lax.cond``/``lax.switch``
-branches: outside them there is no collective on floating-point data, no host callback and (with
-``nonfinite="ignore"``) no parameter-sized ``select``. Under vmap a ``cond`` whose predicate is
+branches: outside them there is no collective on floating-point data, no host callback and no
+parameter-sized ``select`` — with the non-finite guard off and on (its selects run in a ``cond``
+taken only when some replica's update is not finite). Under vmap a ``cond`` whose predicate is
 batched turns into a ``select`` that runs every branch, so this fails unless the schedule's
 predicates are replica-uniform (``Communicator.uniform``).
 """
@@ -144,10 +145,11 @@ def traced_step(name: str, harness: str, nonfinite: str):
     return jax.make_jaxpr(run)(params, state, grads).jaxpr
 
 
+@pytest.mark.parametrize("nonfinite", ["ignore", "skip"])
 @pytest.mark.parametrize("where", ["simulate", "mesh"])
 @pytest.mark.parametrize("name", PERIODIC)
-def test_local_step_runs_no_collective_outside_a_branch(name, where):
-    jaxpr = traced_step(name, where, nonfinite="ignore")
+def test_local_step_runs_no_collective_outside_a_branch(name, where, nonfinite):
+    jaxpr = traced_step(name, where, nonfinite=nonfinite)
     top = list(unconditional_eqns(jaxpr))
     names = [e.primitive.name for e in top]
     assert not [e for e in top if _is_float_collective(e)], (name, where, names)
@@ -164,13 +166,6 @@ def test_local_step_runs_no_collective_outside_a_branch(name, where):
     assert "pure_callback" in inside or name == "daso"  # the one-time start check
 
 
-@pytest.mark.parametrize("name", ["local_sgd", "diloco", "daso"])
-def test_the_default_nonfinite_skip_adds_no_collective(name):
-    jaxpr = traced_step(name, "simulate", nonfinite="skip")
-    top = list(unconditional_eqns(jaxpr))
-    assert not [e for e in top if _is_float_collective(e)]
-
-
 def test_nonfinite_policy_is_validated():
     with pytest.raises(ValueError, match=r"nonfinite='drop'; allowed: \('skip', 'ignore'\)"):
         od.local_sgd(optax.sgd(0.1), comm=od.AxisComm("replica"), period=2, nonfinite="drop")
@@ -185,3 +180,39 @@ def test_uniform_unbatches_under_vmap_and_adds_nothing_on_a_mesh():
     jaxpr = jax.make_jaxpr(od.on_mesh(lambda t: comm.uniform(t) + 0, mesh))(counters)
     assert "pmax" not in str(jaxpr)
     assert np.asarray(od.simulate(lambda t: comm.uniform(t))(counters)).tolist() == [7] * N
+
+
+@pytest.mark.parametrize("where", ["simulate", "mesh"])
+def test_the_nonfinite_guard_selects_only_when_an_update_is_not_finite(where):
+    """The guard of ``nonfinite="skip"`` reads the update (a sum per leaf) on every step; its
+    parameter-sized selects sit in a ``cond`` taken only when some replica's update is not finite."""
+    from optaxdist.accounting import per_replica
+    from optaxdist.transforms._checks import local_step
+
+    comm = od.AxisComm(od.REPLICA_AXIS)
+    inner = optax.with_extra_args_support(optax.sgd(0.1, momentum=0.9))
+
+    def step(params, state, grads):
+        kw = dict(nonfinite="skip", uniform=comm.uniform, vary=lambda t: per_replica(t, comm))
+        return local_step(inner, grads, state, params, **kw)
+
+    params = od.replicate(params_tree(), N)
+    grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.01, params)
+    state = od.simulate(inner.init)(params)
+    if where == "simulate":
+        run = od.simulate(step)
+    else:
+        mesh = jax.make_mesh((N,), (od.REPLICA_AXIS,), devices=jax.devices()[:N])
+        run = od.on_mesh(step, mesh)
+    jaxpr = jax.make_jaxpr(run)(params, state, grads).jaxpr
+    selects = lambda eqns: [
+        e for e in eqns if e.primitive.name == "select_n" and e.outvars[0].aval.size >= 32
+    ]
+    assert not selects(unconditional_eqns(jaxpr))
+    assert selects(branch_eqns(jaxpr))  # the guard exists
+    # and it still skips: a replica whose gradient is not finite keeps its state, the others step
+    bad = jax.tree.map(lambda g: g.at[1].set(jnp.nan), grads)
+    updates, new_state = run(params, state, bad)
+    w, trace, before = (np.asarray(x) for x in (updates["w"], new_state[0].trace["w"], state[0].trace["w"]))
+    assert np.all(w[1] == 0) and np.all(np.isfinite(w)) and np.all(w[0] != 0)
+    np.testing.assert_array_equal(trace[1], before[1])

@@ -155,6 +155,13 @@ def _parser() -> argparse.ArgumentParser:
         "off): the transforms' options",
     )
     o.add_argument(
+        "--donate",
+        action="store_true",
+        help="local-steps rows: every step (the transforms', the plain and the hand-written ones) "
+        "donates its parameters and state (donate_argnums=(0, 1)), as a training loop does; each "
+        "timed call gets fresh copies, made before its clock starts",
+    )
+    o.add_argument(
         "--local-params",
         default=None,
         help="local-steps rows: parameters per replica, e.g. 100K (default: 100K up to 64 "
@@ -283,6 +290,8 @@ def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
     local_steps["variants"] = variants
     if args.local_params:
         local_steps["n_params"] = parse_size(args.local_params)
+    if args.donate:
+        local_steps["donate"] = True
     return rows, local_steps
 
 

@@ -124,13 +124,15 @@ class Harness:
     def replicas(self) -> int:
         return math.prod(self.shape)
 
-    def wrap(self, step: Step) -> Step:
-        """The jitted function of stacked arguments."""
+    def wrap(self, step: Step, *, donate: bool = False) -> Step:
+        """The jitted function of stacked arguments; ``donate``: it reuses the buffers of its
+        first two arguments (parameters and state) for its results."""
+        donated = (0, 1) if donate else ()
         if self.name == "simulate":
             if len(self.axes) == 1:
-                return optaxdist.simulate(step, axis_name=self.axes[0])
-            return optaxdist.simulate(step, axis_name=self.axes, shape=self.shape)
-        return optaxdist.on_mesh(step, self.mesh)
+                return optaxdist.simulate(step, axis_name=self.axes[0], donate_argnums=donated)
+            return optaxdist.simulate(step, axis_name=self.axes, shape=self.shape, donate_argnums=donated)
+        return optaxdist.on_mesh(step, self.mesh, donate_argnums=donated)
 
     def place(self, tree: Any) -> Any:
         """Stacked arrays split over the mesh (so that a timed call moves nothing first)."""
@@ -349,11 +351,13 @@ def _then(step: Step, collective: Callable[[Params], Params]) -> Step:
 
 
 @functools.cache
-def reference_step(harness: Harness, collective: Callable[[Params], Params] | None) -> Step:
+def reference_step(
+    harness: Harness, collective: Callable[[Params], Params] | None, donate: bool = False
+) -> Step:
     """The plain optax step (``collective=None``) or plain + a hand-written collective, jitted
     once per harness: every row of a harness times the same executables."""
     step = _step(inner())
-    return harness.wrap(step if collective is None else _then(step, collective))
+    return harness.wrap(step if collective is None else _then(step, collective), donate=donate)
 
 
 def _at(state: Any, fields: Mapping[str, int | bool]) -> Any:
@@ -434,15 +438,23 @@ def _timings(samples: Mapping[str, list[float]]) -> dict[str, float]:
 
 
 def measure_case(
-    case: Case, harness: Harness, inputs: Inputs, *, repeats: int, variant: str = "default"
+    case: Case,
+    harness: Harness,
+    inputs: Inputs,
+    *,
+    repeats: int,
+    variant: str = "default",
+    donate: bool = False,
 ) -> dict[str, Any]:
-    """One row: local and sync step of ``case`` against plain and hand-written steps."""
+    """One row: local and sync step of ``case`` against plain and hand-written steps; with
+    ``donate`` every step (ours and the references) reuses its parameters' and state's buffers,
+    and each timed call gets fresh copies of them, made before its clock starts."""
     options = case.variant_options(variant)
     tx, plain_tx = case.build(harness.replicas, **options), inner()
-    ours, plain = harness.wrap(_step(tx)), reference_step(harness, None)
-    hands = {"hand_sync": reference_step(harness, case.hand_sync)}
+    ours, plain = harness.wrap(_step(tx), donate=donate), reference_step(harness, None, donate)
+    hands = {"hand_sync": reference_step(harness, case.hand_sync, donate)}
     if case.hand_local is not None:
-        hands["hand_local"] = reference_step(harness, case.hand_local)
+        hands["hand_local"] = reference_step(harness, case.hand_local, donate)
     state = harness.wrap(tx.init)(inputs.params)
     total, fixed = state_bytes(state, harness.replicas)
 
@@ -456,12 +468,19 @@ def measure_case(
     compile_s = time.perf_counter() - t0
     _check_schedule(case, ours, params, local_state, sync_state, grads)
     calls = {
-        "local": lambda: ours(params, local_state, grads),
-        "plain": lambda: plain(params, plain_state, grads),
-        "sync": lambda: ours(params, sync_state, grads),
-        **{k: (lambda f=f: f(params, plain_state, grads)) for k, f in hands.items()},
+        "local": (ours, (params, local_state, grads)),
+        "plain": (plain, (params, plain_state, grads)),
+        "sync": (ours, (params, sync_state, grads)),
+        **{k: (f, (params, plain_state, grads)) for k, f in hands.items()},
     }
-    samples = dict(zip(calls, _time(list(calls.values()), repeats), strict=True))
+    if donate:
+        at = {"local": case.local_at, "sync": case.sync_at}
+        samples = _time_donated(
+            calls, repeats, lambda name, st: harness.place(_at(st, at[name])) if name in at else st
+        )
+    else:
+        fns = [lambda f=f, a=a: f(*a) for f, a in calls.values()]
+        samples = dict(zip(calls, _time(fns, repeats), strict=True))
     hand_compiled = hands["hand_sync"].lower(params, plain_state, grads).compile()
     plain_compiled = plain.lower(params, plain_state, grads).compile()
     return {
@@ -475,6 +494,7 @@ def measure_case(
         "shape": list(harness.shape),
         "parameters": inputs.parameters,
         "repeats": repeats,
+        "donate": donate,
         **_timings(samples),
         "compile_s": compile_s,
         "state_bytes": total,
@@ -488,6 +508,32 @@ def measure_case(
         "samples_s": samples,
         "hlo": _hlo_extra(compiled, hand_compiled),
     }
+
+
+def _copies(*trees: Any) -> tuple:
+    """Fresh copies (same placement) of ``trees``, ready: what a donating call may consume."""
+    return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), trees))
+
+
+def _time_donated(
+    calls: Mapping[str, tuple[Step, tuple]], repeats: int, reset: Callable[[str, Any], Any]
+) -> dict[str, list[float]]:
+    """``_time`` for donating steps, as a training loop runs them: each call of a row continues
+    from the parameters and state its previous call returned (its own copy of the arguments at
+    first), its state's schedule fields set back by ``reset(name, state)`` before the clock starts
+    (small arrays), so every call is the same kind of step."""
+    carried = {name: _copies(*args) for name, (_, args) in calls.items()}
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(repeats + 1):  # the first round warms up
+        for name, (fn, _) in calls.items():
+            params, state, grads = carried[name]
+            state = jax.block_until_ready(reset(name, state))
+            t = time.perf_counter()
+            params, state = jax.block_until_ready(fn(params, state, grads))
+            if i:
+                samples[name].append(time.perf_counter() - t)
+            carried[name] = (params, state, grads)
+    return samples
 
 
 def _temp_bytes(compiled: Any) -> int | None:
@@ -517,9 +563,9 @@ def _check_schedule(case: Case, step: Step, params, local_state, sync_state, gra
         return sum(t.collectives for t in counted)
 
     before = sync_events(local_state)
-    if sync_events(step(params, local_state, grads)[1]) != before:
+    if sync_events(step(*_copies(params, local_state, grads))[1]) != before:  # copies: donating steps
         raise AssertionError(f"{case.name}: the 'local' step at {dict(case.local_at)} communicated")
-    if sync_events(step(params, sync_state, grads)[1]) == sync_events(sync_state):
+    if sync_events(step(*_copies(params, sync_state, grads))[1]) == sync_events(sync_state):
         raise AssertionError(f"{case.name}: the 'sync' step at {dict(case.sync_at)} sent nothing")
 
 
@@ -549,6 +595,7 @@ def run_local_steps(
     variants: Sequence[str] = ("default",),
     n_params: int | None = None,
     repeats: int = 11,
+    donate: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Every transform × harness × replica count; mesh rows only where the devices exist.
@@ -590,7 +637,9 @@ def run_local_steps(
                             file=sys.stderr,
                             flush=True,
                         )
-                    rows.append(measure_case(case, harness, inputs, repeats=repeats, variant=variant))
+                    rows.append(
+                        measure_case(case, harness, inputs, repeats=repeats, variant=variant, donate=donate)
+                    )
     state_table = [row for size in sizes.values() for row in measure_state_bytes(size)]
     return {
         "period": PERIOD,
@@ -600,6 +649,7 @@ def run_local_steps(
         "inner": f"optax.sgd({LR}, momentum=0.9)",
         "local_step_counter": LOCAL_T,
         "sync_step_counter": {"default": SYNC_T, "daso": PERIOD},
+        "donate": donate,
         "results": rows,
         "state_bytes": state_table,
         "skipped": skipped,
@@ -623,7 +673,8 @@ def _mb(nbytes: int | None) -> str:
 
 def format_local_steps(section: Mapping[str, Any]) -> str:
     """Markdown tables: the timing rows, then state bytes per parameter byte."""
-    out = [
+    out = ["every step donates its parameters and state (--donate)", ""] if section.get("donate") else []
+    out += [
         "| transform | harness | replicas | parameters | local ms | plain ms | local / plain | "
         "hand local ms | local / hand | sync ms | hand sync ms | sync / hand | compile s | "
         "state B / param B | peak MB |",

@@ -48,6 +48,7 @@ def simulate(
     axis_name: str | Sequence[str] = REPLICA_AXIS,
     shape: Sequence[int] | None = None,
     jit: bool = True,
+    donate_argnums: int | Sequence[int] = (),
 ) -> Callable[..., Any]:
     """N simulated replicas of ``step`` on one device: ``jax.vmap`` with a named axis.
 
@@ -57,6 +58,9 @@ def simulate(
         nested axes (for hierarchical algorithms), with ``shape=(num_nodes, local_size)``.
       shape: sizes of the axes when there are several (the stacked leading axis is their product).
       jit: wrap the result in ``jax.jit``.
+      donate_argnums: arguments whose buffers the step may reuse for its results
+        (``jax.jit``'s; with ``jit=True`` only): pass the parameters and the optimizer state of a
+        training step, so that state a local step leaves unchanged is not copied.
 
     Returns:
       A function of stacked arguments returning stacked results.
@@ -79,7 +83,7 @@ def simulate(
         out = mapped(*split)
         return jax.tree.map(lambda x: x.reshape((n,) + x.shape[len(names) :]), out)
 
-    return jax.jit(run) if jit else run
+    return jax.jit(run, donate_argnums=donate_argnums) if jit else run
 
 
 def _on_own_row(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,8 +184,11 @@ class _OutputsLikeInputs:
     and ``eval_shape`` take the arguments of a call (arrays, or ``jax.ShapeDtypeStruct`` with
     shardings)."""
 
-    def __init__(self, run: Callable[..., Any], mesh: Mesh, model_axes: Sequence[str]):
+    def __init__(
+        self, run: Callable[..., Any], mesh: Mesh, model_axes: Sequence[str], donate_argnums: Any = ()
+    ):
         self._run, self._mesh, self._model_axes = run, mesh, frozenset(model_axes)
+        self._donate_argnums = donate_argnums
         self._jitted: dict[tuple, Callable[..., Any]] = {}
 
     def _placement(self, args: tuple) -> tuple[tuple, tuple]:
@@ -210,7 +217,9 @@ class _OutputsLikeInputs:
     def _jit_for(self, args: tuple) -> Callable[..., Any]:
         placement = self._placement(args)
         if placement not in self._jitted:
-            self._jitted[placement] = jax.jit(lambda *a: _place_like(self._run(*a), *placement))
+            self._jitted[placement] = jax.jit(
+                lambda *a: _place_like(self._run(*a), *placement), donate_argnums=self._donate_argnums
+            )
         return self._jitted[placement]
 
     def __call__(self, *args: Any) -> Any:
@@ -264,6 +273,7 @@ def on_mesh(
     *,
     axis_name: str | Sequence[str] | None = None,
     check_config: bool = True,
+    donate_argnums: int | Sequence[int] = (),
 ) -> AgreedStep:
     """Run ``step`` with one replica per device of ``mesh``: ``jax.shard_map`` over stacked inputs.
 
@@ -283,6 +293,7 @@ def on_mesh(
     Each call raises ``ValueError`` if an argument's ``NamedSharding`` splits a dimension other
     than the leading one over a replica axis, or the leading one over replica and other axes
     together (``P(None, "replica")``, ``P(("replica", "model"), None)``).
+    ``donate_argnums`` is ``jax.jit``'s (see ``simulate``).
     """
     names = _names(mesh.axis_names if axis_name is None else axis_name)
     missing = [a for a in names if a not in mesh.axis_names]
@@ -307,7 +318,9 @@ def on_mesh(
 
     many = check_config and jax.process_count() > 1
     return AgreedStep(
-        jax.jit(run) if explicit or not model_axes else _OutputsLikeInputs(run, mesh, model_axes),
+        jax.jit(run, donate_argnums=donate_argnums)
+        if explicit or not model_axes
+        else _OutputsLikeInputs(run, mesh, model_axes, donate_argnums),
         run,
         step,
         host_allgather if many else None,
@@ -316,13 +329,19 @@ def on_mesh(
     )
 
 
-def on_mpi(step: Callable[..., Any], *, comm: Any = None, check_config: bool = True) -> AgreedStep:
+def on_mpi(
+    step: Callable[..., Any],
+    *,
+    comm: Any = None,
+    check_config: bool = True,
+    donate_argnums: int | Sequence[int] = (),
+) -> AgreedStep:
     """Run ``step`` under MPI: one process per device, each calling it on its own (unstacked) data.
 
     This is ``jax.jit(step)`` whose first call checks, unless ``check_config=False``, that every
     process of ``comm`` (an ``MpiComm``; default: ``COMM_WORLD``) runs the same configuration
     (``AgreedStep``). Launch with ``mpirun -n N python script.py`` and build the step's
-    communicator with ``MpiComm()``.
+    communicator with ``MpiComm()``. ``donate_argnums`` is ``jax.jit``'s (see ``simulate``).
     """
     allgather = None
     if check_config:
@@ -330,10 +349,16 @@ def on_mpi(step: Callable[..., Any], *, comm: Any = None, check_config: bool = T
 
         comm = MpiComm() if comm is None else comm
         allgather = comm.host_allgather if comm.size > 1 else None
-    return AgreedStep(jax.jit(step), step, step, allgather, "ranks")
+    return AgreedStep(jax.jit(step, donate_argnums=donate_argnums), step, step, allgather, "ranks")
 
 
-def on_node(step: Callable[..., Any], hierarchy: Hierarchy, *, check_config: bool = True) -> AgreedStep:
+def on_node(
+    step: Callable[..., Any],
+    hierarchy: Hierarchy,
+    *,
+    check_config: bool = True,
+    donate_argnums: int | Sequence[int] = (),
+) -> AgreedStep:
     """Run ``step`` with one replica per device of this node, the nodes joined by MPI: one
     process per node (``mpirun``/``srun``, no ``jax.distributed``), ``hierarchy`` from
     ``node_hierarchy()``.
@@ -344,7 +369,7 @@ def on_node(step: Callable[..., Any], hierarchy: Hierarchy, *, check_config: boo
     communicate as their names say. Each call waits for its results (a step's cross-node exchange
     blocks its devices' threads until the other nodes answer, so a second step must not queue
     behind it). Unless ``check_config=False``, the first call checks that every node runs the same
-    configuration (``AgreedStep``).
+    configuration (``AgreedStep``). ``donate_argnums`` is ``jax.jit``'s (see ``simulate``).
     """
     if hierarchy.mesh is None or not isinstance(hierarchy.cross, CrossComm):
         raise TypeError("on_node needs the hierarchy of optaxdist.node_hierarchy()")
@@ -365,7 +390,8 @@ def on_node(step: Callable[..., Any], hierarchy: Hierarchy, *, check_config: boo
 
     exchange = hierarchy.cross.exchange
     allgather = exchange.host_allgather if check_config and exchange.size > 1 else None
-    return AgreedStep(jax.jit(run), run, step, allgather, "nodes", wait=True)
+    jitted = jax.jit(run, donate_argnums=donate_argnums)
+    return AgreedStep(jitted, run, step, allgather, "nodes", wait=True)
 
 
 def broadcast_from_root(tree: PyTree, *, comm: Communicator, root: int = 0) -> PyTree:

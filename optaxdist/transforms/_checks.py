@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,9 +31,19 @@ def find_states(tree: Any, cls: type | tuple[type, ...]) -> list:
 
 
 def all_finite(tree) -> jax.Array:
-    """True iff every floating-point element of ``tree`` is finite (other leaves count as finite)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.stack(leaves).all() if leaves else jnp.asarray(True)
+    """True iff every floating-point element of ``tree`` is finite (other leaves count as finite).
+
+    One sum per leaf, accumulated in float32 at least: a sum is NaN or infinite when an element
+    is (``NaN + x = NaN``, ``inf − inf = NaN``), and the reduction reads the leaf where it lies
+    (``all(isfinite(x))`` makes XLA:CPU write a boolean array first). A leaf of finite values
+    whose sum overflows (beyond 3.4e38 in float32) counts as not finite.
+    """
+    sums = [
+        jnp.sum(x if x.dtype.itemsize >= 4 else x.astype(jnp.float32))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.stack([jnp.isfinite(s) for s in sums]).all() if sums else jnp.asarray(True)
 
 
 def check_float_leaves(tree, transform: str) -> None:
@@ -115,7 +126,15 @@ def check_nonfinite(nonfinite: str) -> None:
 
 
 def local_step(
-    inner: optax.GradientTransformationExtraArgs, updates, inner_state, params, *, nonfinite: str, **extra
+    inner: optax.GradientTransformationExtraArgs,
+    updates,
+    inner_state,
+    params,
+    *,
+    nonfinite: str,
+    uniform: Callable[[Any], Any],
+    vary: Callable[[Any], Any],
+    **extra,
 ) -> tuple[optax.Updates, optax.OptState]:
     """``inner.update`` on this replica, under a non-finite policy (``nonfinite=``):
 
@@ -126,17 +145,29 @@ def local_step(
       state, no later average carries them to another replica. Only the update is checked, so an
       inner that handles non-finite gradients itself (``dynamic_loss_scale``: zero updates, scale
       backed off) keeps its new state. Ledgers in the inner state keep counting (an inner
-      collective that ran still sent its bytes). Cost: one pass over the update (``isfinite``
-      reduction) and an element-wise select of the update and the inner state, fused by XLA
-      into the step.
+      collective that ran still sent its bytes). Cost: one reading pass over the update (a sum
+      per leaf, see ``all_finite``); the select of the update and the inner state runs in a
+      ``lax.cond`` only on a step where some replica's update is not finite.
     * ``"ignore"``: ``inner.update`` as it is, at no cost: for inner optimizers that guard
       themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``) or runs that accept that a
       non-finite gradient poisons the average.
+
+    ``uniform`` is the transform's ``Communicator.uniform`` over all replicas (it makes "some
+    replica under ``simulate`` is not finite" one predicate, so that the ``cond`` stays a branch)
+    and ``vary`` marks per-replica values (``per_replica``: both branches have the same types).
     """
     new_updates, new_state = inner.update(updates, inner_state, params, **extra)
     if nonfinite == "ignore":
         return new_updates, new_state
     ok = all_finite(new_updates)
-    new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
-    kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, inner_state)
-    return new_updates, keep_ledgers(kept, new_state)
+
+    def skip_where_not_finite(_):
+        skipped = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
+        kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, inner_state)
+        return vary(skipped), vary(keep_ledgers(kept, new_state))
+
+    # ``uniform(~ok)``: some replica of this program is not finite (under simulate any of the
+    # vmapped ones, elsewhere this one); only then do the per-replica selects run
+    return jax.lax.cond(
+        uniform(~ok), skip_where_not_finite, lambda _: (vary(new_updates), vary(new_state)), None
+    )

@@ -527,7 +527,14 @@ def daso(
         if value is not None:
             extra = extra | {"value": value}
         local_updates, inner_state = local_step(
-            inner, updates, s.inner_state, params, nonfinite=nonfinite, **extra
+            inner,
+            updates,
+            s.inner_state,
+            params,
+            nonfinite=nonfinite,
+            uniform=lambda x: cross_comm.uniform(local_comm.uniform(x)),
+            vary=vary,
+            **extra,
         )
         local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, local_updates)
 

@@ -275,13 +275,24 @@ def periodic(
         bodies = tuple(syncs(params) if callable(syncs) else syncs)
         t = comm.uniform(state.step)  # keeps the switch a branch under simulate
         s = t - warmup_steps
-        ledger = check_identical_start(check_start, params, t, state.ledger, comm)
 
         def local(operand, then: Sync | None = None, *, moves_params: bool = True):
             """The local step, then ``then`` (a synchronization, or ``begin`` followed by one).
             Without one, or when it leaves the parameters alone, the update is the local step's."""
             grads, inner_state, sync_state, ledger, agreed = operand
-            u, inner_state = local_step(inner, grads, inner_state, params, nonfinite=nonfinite, **extra)
+            # inside each branch, not before the switch: a conditional of its own that reads the
+            # parameters makes XLA copy donated parameters on every step
+            ledger = check_identical_start(check_start, params, t, ledger, comm)
+            u, inner_state = local_step(
+                inner,
+                grads,
+                inner_state,
+                params,
+                nonfinite=nonfinite,
+                uniform=comm.uniform,
+                vary=vary,
+                **extra,
+            )
             treedef = jax.tree.structure(params)
             target, flags = params, [UNTOUCHED] * treedef.num_leaves
             if then is not None:
@@ -322,7 +333,7 @@ def periodic(
             branches += [lambda op, f=f: local(op, lambda x: f(begin(x))) for f in bodies]
             index = jnp.where(t == warmup_steps, first + scheduled, index)
         out, inner_state, sync_state, ledger, agreed = jax.lax.switch(
-            index, branches, (updates, state.inner_state, state.sync_state, ledger, state.agreed)
+            index, branches, (updates, state.inner_state, state.sync_state, state.ledger, state.agreed)
         )
         return out, PeriodicState(
             step=optax.safe_increment(t),
