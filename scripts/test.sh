@@ -10,8 +10,11 @@ bash scripts/setup_venv.sh
 export PATH="$root/.venv/bin:$PATH"
 ruff check optaxdist tests examples
 ruff format --check optaxdist tests examples
+# Two pytest workers (pytest-xdist): tracing and compiling are single-threaded, so one process
+# leaves a core idle most of the time. OPTAXDIST_TEST_WORKERS=0 runs in this process instead.
+workers=(-n "${OPTAXDIST_TEST_WORKERS:-2}" --dist worksteal)
 if [[ "${1:-}" == "--all" ]]; then
   shift
-  exec python -m pytest -q "$@"
+  exec python -m pytest -q "${workers[@]}" "$@"
 fi
-exec python -m pytest -q -m "not slow" "$@"
+exec python -m pytest -q "${workers[@]}" -m "not slow" "$@"

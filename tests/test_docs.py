@@ -53,8 +53,9 @@ def test_doc_block_runs(code, tmp_path):
         exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__"})
 
 
-# the examples that other tests run already (test_flax, test_checkpoint) are in the full run only
-COVERED_ELSEWHERE = {"linen_trainstate.py", "nnx_mnist.py", "multihost_checkpoint.py"}
+# the examples that other tests run already (test_flax, test_checkpoint, test_exact_sync) are in the
+# full run only
+COVERED_ELSEWHERE = {"linen_trainstate.py", "nnx_mnist.py", "multihost_checkpoint.py", "exact_sync.py"}
 
 
 @pytest.mark.parametrize(
