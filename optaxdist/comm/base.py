@@ -120,7 +120,10 @@ class Communicator(abc.ABC):
         predicate is batched becomes a ``select`` that runs both branches on every step;
         ``AxisComm`` takes the maximum over the vmapped axes instead, which unbatches the value
         (a reduction inside the one device's program, nothing crosses devices). The values must
-        already be equal on every member; this only changes how the program sees them.
+        already be equal on every member; this only changes how the program sees them. Values
+        that differ come out as their maximum over the replicas one program holds (under
+        ``simulate`` all of them, elsewhere its own): a flag raised on some replica stays raised,
+        which the non-finite guard of the local step relies on.
         """
         return tree
 
