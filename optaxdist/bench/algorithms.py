@@ -253,6 +253,14 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
         "{-m, 0, m}, m the chunk's largest kept magnitude",
     ),
     Algorithm(
+        "sparseloco-30-nopack",
+        lambda comm, local, ctx: optaxdist.sparseloco(
+            local, comm=comm, period=30, pack_small_leaves=False, model_sharding=ctx.model_sharding
+        ),
+        "sparseloco-30 with every leaf chunked on its own (a leaf smaller than a chunk sends up to k "
+        "of its entries, as Templar's per-tensor chunks do), not the small leaves packed together",
+    ),
+    Algorithm(
         "local-adam-50",
         lambda comm, local, ctx: optaxdist.local_sgd(local, comm=comm, period=50, average_inner_state=True),
         "Local Adam: local steps; parameters and the optimizer state averaged every 50 steps",
