@@ -27,6 +27,11 @@ ALL = {
     "int2": compress.quantize(2, block_size=8),
     "chunked_top_k": compress.chunked_top_k(8, 2),
     "int4_chunked_top_k": compress.chunked_top_k(16, 4, values=compress.quantize(4, block_size=2)),
+    "int2_sigma": compress.quantize(2, block_size=8, scale="sigma"),
+    "int4_sigma_stochastic": compress.quantize(4, block_size=6, scale="sigma", rounding="stochastic"),
+    "int2_sigma_chunked_top_k": compress.chunked_top_k(
+        16, 4, values=compress.quantize(2, block_size=4, scale="sigma")
+    ),
 }
 
 
@@ -383,6 +388,101 @@ def test_quantize_bad_arguments():
         compress.quantize(8.0)
     with pytest.raises(ValueError, match="block_size=True"):
         compress.quantize(8, block_size=True)
+
+
+# ---- σ bins (scale="sigma", SparseLoCo) ----------------------------------------------------------
+
+
+def np_sigma_bins(c, x):
+    """NumPy model of ``scale="sigma"``: per block (padding left out) the mean, the sample σ, the
+    step sigmas·σ/L, the codes, and each value's decoded table entry (float64)."""
+    L, half = c.bins, c.bins // 2
+    out = []
+    for start in range(0, x.size, c.block_size):
+        b = x[start : start + c.block_size].astype(np.float64)
+        mean = b.mean()
+        sd = np.sqrt(((b - mean) ** 2).sum() / max(b.size - 1, 1))
+        step = c.sigmas * sd / L if sd > 0 else 1.0
+        codes = np.clip(np.round((b - mean) / step), -half, half - 1).astype(int) + half
+        if c.rounding == "nearest":
+            table = np.array([b[codes == j].mean() if (codes == j).any() else 0.0 for j in range(L)])
+        else:
+            table = mean + (np.arange(L) - half) * step
+        out.append((codes, table, step))
+    return out
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_sigma_bins_decode_to_the_bin_centroids(bits):
+    c = compress.quantize(bits, block_size=64, scale="sigma")
+    assert c.name == f"int{bits}/64,sigma6" and c.bins == 2**bits
+    # 1000 values: 15 whole blocks and one of 40 (its padding left out of the statistics)
+    x = jax.random.normal(jax.random.key(1), (1000,)) * jnp.repeat(jnp.logspace(-3, 2, 16), 64)[:1000] + 0.1
+    packed, table = c.encode(x, KEY)
+    assert packed.dtype == jnp.uint8 and packed.shape == (16 * 64 * bits // 8,)
+    assert table.dtype == jnp.float32 and table.shape == (16 * 2**bits,)
+    y = np.asarray(c.decode((packed, table), 1000, KEY), np.float64)
+    xs = np.asarray(x, np.float64)
+    for b, (codes, want_table, step) in enumerate(np_sigma_bins(c, np.asarray(x))):
+        sl = slice(64 * b, 64 * b + codes.size)
+        np.testing.assert_allclose(y[sl], want_table[codes], rtol=1e-5, atol=1e-6 * step)
+        for j in np.unique(codes):  # each value moved to the mean of its bin: the bin's sum is kept
+            members = codes == j
+            spread = np.ptp(xs[sl][members])
+            assert np.abs(y[sl][members] - xs[sl][members]).max() <= spread * (1 + 1e-5) + 1e-6 * step
+            if 0 < j < 2**bits - 1:  # an inner bin is one step wide
+                assert spread <= step * (1 + 1e-5)
+        np.testing.assert_allclose(y[sl].sum(), xs[sl].sum(), rtol=1e-5, atol=1e-5 * step * codes.size)
+
+
+def test_sigma_bins_at_two_bits_are_four_levels_over_six_sigma():
+    """2 bits: bins 1.5σ wide centred on μ − 3σ, μ − 1.5σ, μ, μ + 1.5σ; every code is a level (no
+    zero level is reserved), so top-k values of either sign all keep a magnitude."""
+    c = compress.quantize(2, block_size=8, scale="sigma")
+    x = jnp.asarray([-3.0, -2.0, -1.5, -0.2, 0.3, 1.0, 2.5, 4.0])
+    mean, sd = float(np.mean(x)), float(np.std(np.asarray(x), ddof=1))
+    codes, _, step = np_sigma_bins(c, np.asarray(x))[0]
+    assert step == pytest.approx(1.5 * sd)
+    y = np.asarray(c.decode(c.encode(x, KEY), 8, KEY))
+    centred = (np.asarray(x) - mean) / step
+    assert (codes == np.clip(np.round(centred), -2, 1) + 2).all()
+    assert set(np.unique(y).round(4)) == {np.mean(np.asarray(x)[codes == j]).round(4) for j in set(codes)}
+
+
+def test_sigma_bins_stochastic_is_unbiased_within_the_range():
+    c = compress.quantize(2, block_size=8, scale="sigma", rounding="stochastic")
+    x = jnp.asarray([1.0, 0.3, -0.55, 0.0, 0.9, -1.0, 0.2, 0.05])  # all within [μ − 2s, μ + s]
+    keys = jax.random.split(KEY, 4000)
+    samples = jax.vmap(lambda k: c.decode(c.encode(x, k), 8, k))(keys)
+    _, table, step = np_sigma_bins(c, np.asarray(x))[0]
+    assert (np.abs(np.asarray(samples[0])[:, None] - table[None, :]).min(1) < 1e-6).all()  # bin centres
+    assert (np.abs(np.asarray(samples) - np.asarray(x)) < step * (1 + 1e-6)).all()
+    np.testing.assert_allclose(samples.mean(0), x, atol=0.03)
+
+
+def test_sigma_bins_constant_block_and_single_value_are_exact():
+    c = compress.quantize(8, block_size=4, scale="sigma")
+    x = jnp.asarray([0.5, 0.5, 0.5, 0.5, -2.0])  # σ = 0 in both blocks (the second has one value)
+    np.testing.assert_array_equal(np.asarray(c.decode(c.encode(x, KEY), 5, KEY)), np.asarray(x))
+
+
+def test_sigma_bins_non_finite_value_makes_its_block_nan():
+    c = compress.quantize(2, block_size=4, scale="sigma")
+    x = jnp.asarray([1.0, jnp.inf, -2.0, 0.5, 1.0, -1.0, 0.25, 0.0])
+    y = np.asarray(c.decode(c.encode(x, KEY), 8, KEY))
+    assert np.isnan(y[:4]).all() and np.isfinite(y[4:]).all()
+
+
+def test_sigma_bins_bad_arguments():
+    with pytest.raises(ValueError, match="scale='max'"):
+        compress.quantize(2, scale="max")
+    for bad in (0, -1.0, float("inf"), True, "6"):
+        with pytest.raises(ValueError, match="sigmas="):
+            compress.quantize(2, scale="sigma", sigmas=bad)
+    with pytest.raises(ValueError, match="sigmas=4 applies to scale='sigma' only"):
+        compress.quantize(2, sigmas=4)
+    with pytest.raises(ValueError, match="exchange='all_gather' only"):
+        compress.quantize(2, scale="sigma", exchange="two_phase")
 
 
 def test_quantize_non_finite_value_makes_its_block_nan():

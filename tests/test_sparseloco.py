@@ -1,6 +1,7 @@
 """SparseLoCo: DiLoCo with chunked top-k pseudo-gradients, a decaying error-feedback buffer and an
 outer SGD step."""
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -12,6 +13,20 @@ from tests.test_chunked_top_k import numpy_chunked_top_k
 from tests.test_local_sgd import close, sync_stats
 
 STEPS, PERIOD = 12, 3
+
+
+def packed_top_k(v, chunk, k):
+    """Chunked top-k of the leaves smaller than ``chunk`` concatenated in tree order (sorted keys),
+    of the others leaf by leaf."""
+    small = [key for key in sorted(v) if v[key].size < chunk]
+    out = {key: numpy_chunked_top_k(v[key], chunk, k) for key in v if key not in small}
+    if small:
+        flat = numpy_chunked_top_k(np.concatenate([v[key].reshape(-1) for key in small]), chunk, k)
+        offset = 0
+        for key in small:
+            out[key] = flat[offset : offset + v[key].size].reshape(v[key].shape)
+            offset += v[key].size
+    return out
 
 
 def np_sparseloco(n, *, chunk, k, decay, outer_lr, steps=STEPS, period=PERIOD):
@@ -27,7 +42,7 @@ def np_sparseloco(n, *, chunk, k, decay, outer_lr, steps=STEPS, period=PERIOD):
             sent = []
             for i in range(n):
                 v = {key: anchor[key] - params[i][key] + decay * error[i][key] for key in anchor}
-                s = {key: numpy_chunked_top_k(v[key], chunk, k) for key in v}
+                s = packed_top_k(v, chunk, k)
                 error[i] = {key: v[key] - s[key] for key in v}
                 sent.append(s)
             anchor = {key: anchor[key] - outer_lr * sum(s[key] for s in sent) / n for key in anchor}
@@ -48,24 +63,60 @@ def test_matches_numpy_and_sends_the_packed_bytes(harness):
     assert sync_stats(state) == {"all_gather[chunked_top_k/1of4]": od.KindTotals(syncs, syncs * per_sync)}
 
 
-def test_defaults_are_the_papers_and_send_116_bytes_per_4096_values(harness):
-    tx = od.sparseloco(optax.sgd(0.1, momentum=0.9), comm=harness.comm, period=1)
+def test_small_leaves_are_packed_into_one_vector(harness):
+    """chunk 8: w (6 values) and b (2) are both smaller than a chunk, so they travel as one vector of
+    8 values (one chunk, b first); without packing each leaf pads a chunk of its own."""
+    settings = dict(chunk_size=8, k=2, value_bits=None, error_decay=0.9, outer_lr=1.0)
+    params, state = run_trajectory(
+        harness, lambda c: od.sparseloco(optax.sgd(LR), comm=c, period=PERIOD, **settings), steps=STEPS
+    )
+    close(params, np_sparseloco(harness.n, chunk=8, k=2, decay=0.9, outer_lr=1.0))
+    syncs = STEPS // PERIOD
+    per_sync = 1 + 4 * 2  # 2 indices of 3 bits, 2 float32 values
+    assert sync_stats(state) == {"all_gather[chunked_top_k/2of8]": od.KindTotals(syncs, syncs * per_sync)}
+    _, state = run_trajectory(
+        harness,
+        lambda c: od.sparseloco(optax.sgd(LR), comm=c, period=PERIOD, pack_small_leaves=False, **settings),
+        steps=STEPS,
+    )
+    assert sync_stats(state) == {"all_gather[chunked_top_k/2of8]": od.KindTotals(syncs, syncs * 2 * per_sync)}
+
+
+def one_sync_stats(harness, **kw):
+    tx = od.sparseloco(optax.sgd(0.1, momentum=0.9), comm=harness.comm, period=1, **kw)
     rng = np.random.default_rng(0)
-    params = od.replicate({"w": rng.normal(size=(2, 4096)).astype(np.float32)}, harness.n)
-    grads = rng.normal(size=(harness.n, 2, 4096)).astype(np.float32)
+    tree = {
+        "w": rng.normal(size=(2, 4096)).astype(np.float32),
+        "b": rng.normal(size=(3, 100)).astype(np.float32),
+    }
+    params = od.replicate(tree, harness.n)
+    grads = {k: rng.normal(size=(harness.n, *v.shape)).astype(np.float32) for k, v in tree.items()}
 
     def one_sync(p, g):
-        u, s = tx.update({"w": g}, tx.init(p), p)
+        u, s = tx.update(g, tx.init(p), p)
         return optax.apply_updates(p, u), s
 
     new, state = harness.run(one_sync, params, grads)
-    # 2 chunks, each 64 indices of 12 bits, 64 values of 2 bits and one float32 scale
-    stats = dict(od.comm_stats(state).by_kind)
-    stats.pop("broadcast[start check]")
-    assert stats == {"all_gather[chunked_top_k/64of4096,int2/64]": od.KindTotals(1, 2 * 116)}
-    moved = new["w"] != params["w"]
-    assert 0 < moved[0].sum() <= harness.n * 2 * 64  # at most the union of what the replicas sent
-    np.testing.assert_array_equal(new["w"], np.broadcast_to(new["w"][0], new["w"].shape))
+    for key in tree:
+        moved = new[key] != params[key]
+        assert 0 < moved[0].sum() <= harness.n * moved[0].size  # something moved
+        np.testing.assert_array_equal(new[key], np.broadcast_to(new[key][0], new[key].shape))
+    assert (new["w"][0] != params["w"][0]).sum() <= harness.n * 2 * 64  # the union of what was sent
+    return sync_stats(state)
+
+
+def test_defaults_are_the_papers_and_send_128_bytes_per_4096_values(harness):
+    # w: 2 chunks; b (300 values, smaller than a chunk) packed alone: 1 chunk. Each chunk: 64
+    # indices of 12 bits, 64 values of 2 bits and the table of the 4 bins' centroids (float32)
+    assert one_sync_stats(harness) == {
+        "all_gather[chunked_top_k/64of4096,int2/64,sigma6]": od.KindTotals(1, 3 * (96 + 16 + 16))
+    }
+
+
+def test_absmax_values_send_one_scale_per_chunk(harness):
+    assert one_sync_stats(harness, value_scale="absmax") == {
+        "all_gather[chunked_top_k/64of4096,int2/64]": od.KindTotals(1, 3 * (96 + 16 + 4))
+    }
 
 
 def test_bad_settings_fail_at_construction():
@@ -79,6 +130,13 @@ def test_bad_settings_fail_at_construction():
         od.sparseloco(inner, comm=comm, error_decay=1.5)
     with pytest.raises(ValueError, match="outer_lr"):
         od.sparseloco(inner, comm=comm, outer_lr=0.0)
+    with pytest.raises(ValueError, match="value_scale='max'"):
+        od.sparseloco(inner, comm=comm, value_scale="max")
+    with pytest.raises(ValueError, match="pack_small_leaves=1"):
+        od.sparseloco(inner, comm=comm, pack_small_leaves=1)
+    sharding = od.ModelSharding({"w": jax.sharding.PartitionSpec("model")}, (("model", 2),))
+    with pytest.raises(ValueError, match="pack_small_leaves=True can't be combined with model_sharding"):
+        od.sparseloco(inner, comm=comm, pack_small_leaves=True, model_sharding=sharding)
     with pytest.raises(ValueError, match="k=8192"):
         od.sparseloco(inner, comm=comm, k=8192)
     with pytest.raises(ValueError, match="error_decay=0.9 needs error_feedback=True"):

@@ -240,8 +240,25 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
         lambda comm, local, ctx: optaxdist.sparseloco(
             local, comm=comm, period=30, model_sharding=ctx.model_sharding
         ),
-        "SparseLoCo, H = 30: 64 of every 4096 pseudo-gradient entries, 12-bit indices, 2-bit values, "
-        "error feedback decay 0.95, outer SGD lr 1",
+        "SparseLoCo, H = 30: 64 of every 4096 pseudo-gradient entries, 12-bit indices, 2-bit values "
+        "(4 bins over 6σ of each chunk's kept values, centroids sent), leaves smaller than a chunk "
+        "packed into one vector, error feedback decay 0.95, outer SGD lr 1",
+    ),
+    Algorithm(
+        "sparseloco-30-absmax",
+        lambda comm, local, ctx: optaxdist.sparseloco(
+            local, comm=comm, period=30, value_scale="absmax", model_sharding=ctx.model_sharding
+        ),
+        "sparseloco-30 with this library's symmetric 2-bit quantizer in place of the σ bins: levels "
+        "{-m, 0, m}, m the chunk's largest kept magnitude",
+    ),
+    Algorithm(
+        "sparseloco-30-nopack",
+        lambda comm, local, ctx: optaxdist.sparseloco(
+            local, comm=comm, period=30, pack_small_leaves=False, model_sharding=ctx.model_sharding
+        ),
+        "sparseloco-30 with every leaf chunked on its own (a leaf smaller than a chunk sends up to k "
+        "of its entries, as Templar's per-tensor chunks do), not the small leaves packed together",
     ),
     Algorithm(
         "local-adam-50",

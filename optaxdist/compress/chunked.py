@@ -32,8 +32,10 @@ class ChunkedTopK(Compressor):
     Payload per vector of ``d`` values: :math:`\lceil c k b / 8 \rceil` bytes of indices plus
     :math:`4 c k` bytes of values, or ``values``' payload of :math:`c k` values; ledger kind
     ``all_gather[chunked_top_k/<k>of<chunk_size>[,<values>]]``. SparseLoCo's setting (64 of every
-    4096, 2-bit values) is ``chunked_top_k(4096, 64, values=quantize(2, block_size=64))``:
-    116 bytes per 4096 float32 values (16 KiB), 141× less.
+    4096, 2-bit values in 4 bins over 6σ, ``optaxdist.sparseloco``'s default) is
+    ``chunked_top_k(4096, 64, values=quantize(2, block_size=64, scale="sigma"))``: 96 bytes of
+    indices, 16 of values and a table of 4 float32 centroids, 128 bytes per 4096 float32 values
+    (16 KiB), 128× less; with ``quantize(2, block_size=64)`` (one scale per chunk) 116 bytes, 141×.
     """
 
     chunk_size: int = 4096
@@ -122,5 +124,5 @@ def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
 def chunked_top_k(chunk_size: int = 4096, k: int = 64, *, values: Quantize | None = None) -> ChunkedTopK:
     """Top-``k`` of every ``chunk_size`` values with bit-packed in-chunk indices and float32 or
     ``quantize(...)``-d values (SparseLoCo: ``chunked_top_k(4096, 64, values=quantize(2,
-    block_size=64))``)."""
+    block_size=64, scale="sigma"))``)."""
     return ChunkedTopK(chunk_size, k, values)

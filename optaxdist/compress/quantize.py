@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from optaxdist.comm.base import sum_in_member_order
 from optaxdist.compress.base import Compressor, Payload
@@ -15,11 +16,13 @@ from optaxdist.compress.base import Compressor, Payload
 BITS = (2, 4, 8)
 ROUNDINGS = ("nearest", "stochastic")
 EXCHANGES = ("all_gather", "two_phase")
+SCALES = ("absmax", "sigma")
 
 
 @dataclasses.dataclass(frozen=True)
 class Quantize(Compressor):
-    r"""Symmetric block-wise quantization with ``bits`` per value.
+    r"""Block-wise quantization with ``bits`` per value: symmetric integers times a scale
+    (``scale="absmax"``, the default) or SparseLoCo's σ bins (``scale="sigma"``, below).
 
     The vector is cut into blocks of ``block_size`` values (the last one zero-padded). Block
     :math:`b` gets the scale :math:`s_b = \max_{i \in b} |x_i| \cdot \mathrm{fl}(1/q)` with
@@ -70,12 +73,42 @@ class Quantize(Compressor):
     lost, :math:`v - D(C(v))`; the error of the re-quantization of the mean is not fed back (it
     belongs to no single replica), so the two-phase average is biased by at most half a scale of
     the mean's blocks per step.
+
+    **σ bins** (``scale="sigma"``: SparseLoCo's quantizer, after Templar's ``TopKCompressor``,
+    there per tensor and here per block). Block :math:`b` of :math:`n_b` values (its padding left
+    out) gets its mean :math:`\mu_b`, its sample standard deviation
+    :math:`\sigma_b = \sqrt{\sum_i (x_i - \mu_b)^2 / \max(n_b - 1, 1)}` and the step
+    :math:`s_b = \text{sigmas} \cdot \sigma_b / L` with :math:`L = 2^{\text{bits}}` bins (1 if
+    that is 0 or not finite). Value :math:`i` goes to bin
+    :math:`n_i = \mathrm{clip}(\mathrm{round}((x_i - \mu_b)/s_b) + L/2,\ 0,\ L - 1)`
+    (``"stochastic"``: ``floor(· + u)``), stored in ``bits`` bits: every code is a level, none is
+    reserved for zero. At 2 bits (the paper's "4 bins over 6σ") the bins are 1.5σ wide, centred
+    on :math:`\mu_b - 3\sigma_b, \mu_b - 1.5\sigma_b, \mu_b, \mu_b + 1.5\sigma_b`, the two outer ones
+    open. Each block sends a table of :math:`L` float32 values and ``decode`` is the table entry
+    of the code (a lookup, no arithmetic):
+
+    * ``"nearest"``: the bin **centroids** :math:`t_{b,j}`, the mean of the block's values in bin
+      :math:`j` (0 for an empty bin), as Templar does. A value's error is at most the spread of its
+      bin's values: below :math:`s_b` in the :math:`L - 2` inner bins, and in the outer bins (which
+      also take everything beyond the range) the distance to their mean. Each bin's sum, hence the
+      block's, is kept up to rounding: nothing is lost on average, only spread within a bin.
+    * ``"stochastic"``: the bin **centres** :math:`\mu_b + (j - L/2)\,s_b`: unbiased with an error
+      below :math:`s_b` for values in :math:`[\mu_b - (L/2) s_b,\ \mu_b + (L/2 - 1) s_b]`,
+      clipped beyond.
+
+    The centroid sums are a scatter-add (its rounding may depend on the order on a GPU); the
+    sender computes the table once and every replica decodes the same table. Payload per vector:
+    ``ceil(d / block_size) · block_size · bits / 8`` bytes of codes and ``4 · L`` bytes of table
+    per block (2 bits: 16 bytes per block; 8 bits: 1 KiB per block, so large blocks only); ledger
+    kind ``all_gather[int<bits>/<block_size>,sigma<sigmas>]``. Only ``exchange="all_gather"``.
     """
 
     bits: int = 8
     block_size: int = 64
     rounding: str = "nearest"
     exchange: str = "all_gather"
+    scale: str = "absmax"
+    sigmas: float = 6.0
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in BITS:
@@ -90,22 +123,41 @@ class Quantize(Compressor):
             raise ValueError(f"rounding={self.rounding!r}; allowed: {ROUNDINGS}")
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange={self.exchange!r}; allowed: {EXCHANGES}")
+        if self.scale not in SCALES:
+            raise ValueError(f"scale={self.scale!r}; allowed: {SCALES}")
+        sigmas = self.sigmas
+        if isinstance(sigmas, bool) or not isinstance(sigmas, (int, float)) or not 0 < sigmas < math.inf:
+            raise ValueError(f"sigmas={sigmas!r} must be a finite number > 0 (the range of the bins in σ)")
+        if self.scale == "absmax" and sigmas != 6.0:
+            raise ValueError(f"sigmas={sigmas!r} applies to scale='sigma' only")
+        if self.scale == "sigma" and self.exchange != "all_gather":
+            raise ValueError(
+                f"scale='sigma' with exchange={self.exchange!r}: σ bins support exchange='all_gather' only"
+            )
 
     @property
     def name(self) -> str:
+        sigma = f",sigma{self.sigmas:g}" if self.scale == "sigma" else ""
         suffix = "" if self.rounding == "nearest" else ",stochastic"
-        return f"int{self.bits}/{self.block_size}{suffix}"
+        return f"int{self.bits}/{self.block_size}{sigma}{suffix}"
 
     @property
     def levels(self) -> int:
-        """q: the integers are in [−q, q]."""
+        """q: the integers are in [−q, q] (``scale="absmax"``)."""
         return 2 ** (self.bits - 1) - 1
+
+    @property
+    def bins(self) -> int:
+        """L = 2^bits: the bins of ``scale="sigma"``, and the float32 entries of a block's table."""
+        return 2**self.bits
 
     def _blocks(self, x: jax.Array) -> jax.Array:
         num = math.ceil(x.shape[0] / self.block_size)
         return jnp.pad(x, (0, num * self.block_size - x.shape[0])).reshape(num, self.block_size)
 
     def encode(self, x, key):
+        if self.scale == "sigma":
+            return self._encode_sigma(x, key)
         blocks = self._blocks(x.astype(jnp.float32))
         q = self.levels
         scale = jnp.max(jnp.abs(blocks), axis=1) * jnp.float32(1 / q)
@@ -123,8 +175,51 @@ class Quantize(Compressor):
     def decode(self, payload, size, key):
         return self._decode(payload)[:size]
 
+    def _encode_sigma(self, x, key):
+        """Codes and per-block tables of ``scale="sigma"`` (see the class)."""
+        size = x.shape[0]
+        blocks = self._blocks(x.astype(jnp.float32))
+        num, width = blocks.shape
+        bins, half = self.bins, self.bins // 2
+        counts = np.full(num, width, np.float32)  # values per block, the last one's padding left out
+        counts[-1] = size - (num - 1) * width
+        valid = jnp.asarray((np.arange(num * width) < size).reshape(num, width))
+        finite = jnp.all(jnp.isfinite(blocks), axis=1)
+        mean = jnp.sum(blocks, axis=1) / jnp.asarray(counts)
+        centred = jnp.where(valid, blocks - mean[:, None], jnp.float32(0))
+        variance = jnp.sum(centred * centred, axis=1) / jnp.asarray(np.maximum(counts - 1, 1))
+        step = jnp.sqrt(variance) * jnp.float32(self.sigmas / bins)
+        step = jnp.where((step > 0) & jnp.isfinite(step), step, jnp.float32(1))
+        scaled = centred * (jnp.float32(1) / step)[:, None]
+        if self.rounding == "nearest":
+            ints = jnp.round(scaled)
+        else:
+            ints = jnp.floor(scaled + jax.random.uniform(key, scaled.shape, jnp.float32))
+        ints = jnp.where(jnp.isfinite(scaled), ints, 0.0)
+        codes = (jnp.clip(ints, -half, half - 1) + half).astype(jnp.int32)
+        if self.rounding == "nearest":  # the mean of each bin's values
+            segments = (jnp.arange(num, dtype=jnp.int32)[:, None] * bins + codes).reshape(-1)
+            kept = jnp.where(valid, blocks, jnp.float32(0)).reshape(-1)
+            sums = jax.ops.segment_sum(kept, segments, num * bins).reshape(num, bins)
+            members = jax.ops.segment_sum(valid.reshape(-1).astype(jnp.float32), segments, num * bins)
+            members = members.reshape(num, bins)
+            table = sums / jnp.where(members > 0, members, jnp.float32(1))
+        else:  # the bin centres
+            offsets = jnp.arange(bins, dtype=jnp.float32) - jnp.float32(half)
+            table = mean[:, None] + offsets[None, :] * step[:, None]
+        table = jnp.where(finite[:, None], table, jnp.float32(jnp.nan))
+        return _pack(codes.astype(jnp.uint8).reshape(-1), self.bits), table.reshape(-1)
+
     def _decode(self, payload) -> jax.Array:
         """The float32 values of the payload(s), padding included; any leading axes (a stack)."""
+        if self.scale == "sigma":
+            packed, table = payload
+            num = table.shape[-1] // self.bins
+            lead = table.shape[:-1]
+            codes = _unpack(packed, self.bits, num * self.block_size).astype(jnp.int32)
+            codes = codes.reshape(*lead, num, self.block_size)
+            values = jnp.take_along_axis(table.reshape(*lead, num, self.bins), codes, axis=-1)
+            return values.reshape(*lead, num * self.block_size)
         packed, scale = payload
         num = scale.shape[-1]
         codes = _unpack(packed, self.bits, num * self.block_size)
@@ -187,10 +282,16 @@ def _unpack(packed: jax.Array, bits: int, count: int) -> jax.Array:
 
 
 def quantize(
-    bits: int = 8, *, block_size: int = 64, rounding: str = "nearest", exchange: str = "all_gather"
+    bits: int = 8,
+    *,
+    block_size: int = 64,
+    rounding: str = "nearest",
+    exchange: str = "all_gather",
+    scale: str = "absmax",
+    sigmas: float = 6.0,
 ) -> Quantize:
     """Block-wise ``bits``-bit quantization (8, 4 or 2) with a float32 scale per ``block_size``
-    values (see ``Quantize``).
+    values, or with SparseLoCo's σ bins and a table of bin values per block (see ``Quantize``).
 
     Args:
       bits: 8, 4 or 2 bits per value.
@@ -200,9 +301,14 @@ def quantize(
       exchange: ``"all_gather"`` (every replica receives every payload) or ``"two_phase"``
         (all-to-all of chunks, mean and re-quantization per chunk, all-gather: the bytes of a ring
         all-reduce of the payload; for a flat group: ``AxisComm``, ``MpiComm``).
+      scale: ``"absmax"`` (symmetric integers in [−q, q] times the block's largest magnitude
+        over q) or ``"sigma"`` (``2^bits`` bins of ``sigmas·σ / 2^bits`` around the block's mean,
+        decoded to the bins' centroids (``"nearest"``) or centres (``"stochastic"``); SparseLoCo's
+        2-bit quantizer; ``exchange="all_gather"`` only).
+      sigmas: with ``scale="sigma"``, the width of the bins' range in standard deviations (6).
 
     Example:
       >>> tx = optaxdist.compressed_allreduce(
       ...     optaxdist.compress.quantize(8, exchange="two_phase"), comm=comm)
     """
-    return Quantize(bits, block_size, rounding, exchange)
+    return Quantize(bits, block_size, rounding, exchange, scale, sigmas)
