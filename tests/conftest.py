@@ -30,6 +30,11 @@ from tests.harness import MeshHarness, MpiHarness, NodeHarness, VmapHarness  # n
 HARNESS_N = 8
 
 
+# The cases that start other processes (mpirun, jax.distributed) run for minutes: they go first, so
+# that under pytest-xdist one of them does not end the run alone on one worker.
+FIRST = ("tests/test_mpi.py", "tests/test_multihost.py", "tests/test_node_faults.py")
+
+
 def pytest_generate_tests(metafunc):
     if "harness" in metafunc.fixturenames:
         kinds = (["node"] if NODE_DEVICES else ["mpi"]) if UNDER_MPI else ["vmap", "mesh"]
@@ -67,6 +72,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_collection_modifyitems(config, items):
     if not UNDER_MPI:
+        items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
         return
     keep = [it for it in items if "harness" in getattr(it, "fixturenames", ())]
     dropped = [it for it in items if it not in keep]

@@ -145,4 +145,5 @@ def test_a_node_that_skips_a_step_ends_the_job_within_the_deadline(tmp_path):
     assert "cross-node exchange timed out on rank 0 of 2" in out, out[-4000:]
     assert "heard nothing from rank(s) [1]" in out and "timeout_s=1 s" in out
     assert "the all-reduce of cross-node exchange #0 of the step" in out
-    assert "aborting the MPI job" in out
+    # how the job ends (this rank's MPI_Abort at exit, or mpirun ending it when rank 0 exits first
+    # on a loaded machine) is not asserted: that it ended, with the error above, in time, is

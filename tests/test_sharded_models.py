@@ -272,7 +272,10 @@ HIERARCHICAL = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(HIERARCHICAL))
+# DASO runs in the full set only (the slowest case; hierarchical local SGD represents the family)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "daso" else n for n in sorted(HIERARCHICAL)]
+)
 def test_hierarchical_model_sharded_replicas_match_simulate(name):
     nodes, local = 2, 2
     tx = HIERARCHICAL[name](od.axis_hierarchy(nodes, local))
