@@ -292,8 +292,8 @@ def test_pmap_gives_the_numbers_of_simulate(name):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
 
 
-# the default run keeps the periodic engine, DASO and PowerSGD donated; the full run, every transform
-DONATE_DEFAULT = ("diloco", "daso", "powersgd")
+# the default run keeps the periodic engine and PowerSGD donated; the full run, every transform
+DONATE_DEFAULT = ("diloco", "powersgd")
 
 
 @pytest.mark.parametrize("where", ["simulate", "mesh"])

@@ -47,10 +47,10 @@ GROUP_FILES = [
     "tests/test_exact_sync.py",
 ]
 # the default run under 2 ranks leaves out partial averaging (the periodic engine runs in
-# test_local_sgd) and the exact-sync property (it runs under the one-process-per-node case below)
-GROUP_DEFAULT_FILES = [
-    f for f in GROUP_FILES if f not in ("tests/test_partial.py", "tests/test_exact_sync.py")
-]
+# test_local_sgd), DASO and the exact-sync property (both run under the one-process-per-node case
+# below); the full run has them under 2 ranks too ("2-more")
+GROUP_MORE_FILES = ["tests/test_partial.py", "tests/test_daso.py", "tests/test_exact_sync.py"]
+GROUP_DEFAULT_FILES = [f for f in GROUP_FILES if f not in GROUP_MORE_FILES]
 SIZE_AGNOSTIC_FILES = [f for f in HARNESS_TEST_FILES if f not in GROUP_FILES]
 # One process per node (2 processes × 4 CPU devices, node_hierarchy/on_node): the default run keeps
 # the communicator's own tests, the all-reduce family, DASO with Heat's groups and the engine's
@@ -69,9 +69,7 @@ NODE_MORE_FILES = [f for f in HARNESS_TEST_FILES if f not in NODE_FILES]
     "nproc, node_devices, files",
     [
         pytest.param(2, 0, GROUP_DEFAULT_FILES, id="2"),
-        pytest.param(
-            2, 0, ["tests/test_partial.py", "tests/test_exact_sync.py"], id="2-more", marks=pytest.mark.slow
-        ),
+        pytest.param(2, 0, GROUP_MORE_FILES, id="2-more", marks=pytest.mark.slow),
         pytest.param(2, 0, SIZE_AGNOSTIC_FILES, id="2-size-agnostic", marks=pytest.mark.slow),
         pytest.param(4, 0, GROUP_FILES, id="4", marks=pytest.mark.slow),
         pytest.param(2, 4, NODE_FILES, id="2-nodes-x4"),

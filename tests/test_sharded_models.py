@@ -122,7 +122,6 @@ DEFAULT = {
     (4, "dynamic_loss_scale"),
     (4, "compressed_top_k"),
     (4, "powersgd"),
-    (4, "local_sgd"),
     (4, "singa_sgd"),
     (2, "sgp_overlap"),
 }
