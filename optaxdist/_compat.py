@@ -75,12 +75,15 @@ def host_callback(callback, result_shape_dtypes, *args):
     prim = _numpy_callback_primitive()
     if prim is None:
         return jax.pure_callback(callback, result_shape_dtypes, *args, vmap_method="sequential")
+    return _bind(prim, callback, result_shape_dtypes, *args)
+
+
+def _bind(prim, callback, result_shape_dtypes, *args):
+    """``prim`` applied to ``args`` with ``pure_callback``'s parameters."""
     from jax._src import callback as cb
 
     flat_args, in_tree = jax.tree.flatten((args, {}))
-    from jax._src import core
-
-    result_avals = jax.tree.map(lambda x: core.ShapedArray(x.shape, x.dtype), result_shape_dtypes)
+    result_avals = jax.tree.map(lambda x: jax.core.ShapedArray(x.shape, x.dtype), result_shape_dtypes)
     flat_avals, out_tree = jax.tree.flatten(result_avals)
     out = prim.bind(
         *flat_args,
@@ -94,23 +97,19 @@ def host_callback(callback, result_shape_dtypes, *args):
 
 @functools.cache
 def _numpy_callback_primitive():
+    """The primitive, or None where this JAX release's internals do not build or run it."""
     try:
-        from jax._src import callback as cb
-        from jax._src import core, dispatch, ffi
-        from jax._src.interpreters import ad, batching, mlir
-
-        rules = (
-            cb._FlatCallback,
-            cb._callback_op_sharding,
-            cb.emit_python_callback,
-            cb.pure_callback_abstract_eval,
-            cb.pure_callback_jvp_rule,
-            cb.pure_callback_transpose_rule,
-            ffi.ffi_batching_rule,
-        )
-    except (ImportError, AttributeError):  # pragma: no cover - another JAX release
+        prim = _make_primitive()
+    except Exception:  # noqa: BLE001 (JAX's internals differ: use the public API)
         return None
-    del rules
+    return prim if _works(prim) else None
+
+
+def _make_primitive():
+    from jax._src import callback as cb
+    from jax._src import core, dispatch, ffi
+    from jax._src.interpreters import ad, batching, mlir
+
     prim = core.Primitive("optaxdist_host_callback")
     prim.multiple_results = True
     prim.def_impl(functools.partial(dispatch.apply_primitive, prim))
@@ -141,28 +140,17 @@ def _numpy_callback_primitive():
         return result
 
     mlir.register_lowering(prim, lowering, cacheable=False)
-    return prim if _works(prim) else None
+    return prim
 
 
 def _works(prim) -> bool:
     """The primitive compiles and runs on the CPU with this JAX release (its internals are not a
     stable API: where they changed, ``host_callback`` falls back to ``jax.pure_callback``)."""
-    from jax._src import callback as cb
-
-    def double(x):
-        (out,) = prim.bind(
-            x,
-            callback=cb._FlatCallback(lambda a: (np.asarray(a) * 2,), jax.tree.flatten(((0,), {}))[1]),
-            result_avals=(jax.core.ShapedArray(x.shape, x.dtype),),
-            sharding=None,
-            vmap_method="sequential",
-        )
-        return out
-
+    three = jax.ShapeDtypeStruct((3,), np.float32)
     try:
         with jax.ensure_compile_time_eval():  # first use is often inside a trace: run it now
-            cpu = jax.devices("cpu")[0]
-            got = jax.jit(double)(jax.device_put(np.arange(3, dtype=np.float32), cpu))
+            x = jax.device_put(np.arange(3, dtype=np.float32), jax.devices("cpu")[0])
+            got = jax.jit(lambda x: _bind(prim, lambda a: np.asarray(a) * 2, three, x))(x)
             return np.array_equal(np.asarray(got), [0.0, 2.0, 4.0])
     except Exception:  # noqa: BLE001 (any failure of JAX's internals means: use the public API)
         return False
