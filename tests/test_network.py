@@ -92,20 +92,26 @@ def test_fitted_links_recover_latency_and_bandwidth():
         cost.fit_links({"permute": samples["permute"]}, n)
 
 
+def _network_suite(tmp_path, *options: str) -> list[dict]:
+    """The rows of ``optaxdist bench --suite network`` on 2 namespaces at 1 Gbit/s, 4 timed steps
+    of the float32 and bfloat16 all-reduces, with ``options``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "optaxdist.bench", "--suite", "network", "--net-nodes", "2", "--rates", "1000",
+         "--algorithms", "allreduce-fp32,allreduce-bf16", "--steps", "4", "--out", str(tmp_path), "--quiet",
+         "--timeout", "600", *options],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((tmp_path / "network.json").read_text())["results"]
+
+
 @pytest.mark.slow
 @needs_netns
 def test_two_processes_send_what_the_ledger_says(tmp_path):
     """bfloat16 and float32 all-reduce between two processes on a 1 Gbit/s link, under
     jax.distributed and under MPI: the interface counts the ring formula's bytes of the ledger
     (within TCP/IP headers, < 5 %)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "optaxdist.bench", "--suite", "network", "--net-nodes", "2", "--rates", "1000",
-         "--layouts", "distributed,mpi", "--algorithms", "allreduce-fp32,allreduce-bf16", "--steps", "4",
-         "--hidden", "256", "--no-calibrate", "--out", str(tmp_path), "--quiet", "--timeout", "600"],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = json.loads((tmp_path / "network.json").read_text())["results"]
+    results = _network_suite(tmp_path, "--layouts", "distributed,mpi", "--hidden", "256", "--no-calibrate")
     for layout in ("distributed", "mpi"):  # jax.distributed over gloo; MPICH over TCP
         rows = {r["algorithm"]: r for r in results if r["layout"] == layout}
         fp32, bf16 = rows["allreduce-fp32"], rows["allreduce-bf16"]
@@ -124,14 +130,8 @@ def test_one_process_per_node_sends_what_the_levels_say(tmp_path):
     deadlocked through jax.pure_callback). What the node's link carries is its 2 devices' cross-node
     all-reduces of half the data each (the levelled ledger, by the ring formula), within TCP/IP
     headers."""
-    out = subprocess.run(
-        [sys.executable, "-m", "optaxdist.bench", "--suite", "network", "--net-nodes", "2", "--rates", "1000",
-         "--layouts", "node", "--devices-per-node", "2", "--algorithms", "allreduce-fp32,allreduce-bf16",
-         "--steps", "4", "--no-plots", "--out", str(tmp_path), "--quiet", "--timeout", "600"],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["algorithm"]: r for r in json.loads((tmp_path / "network.json").read_text())["results"]}
+    results = _network_suite(tmp_path, "--layouts", "node", "--devices-per-node", "2", "--no-plots")
+    rows = {r["algorithm"]: r for r in results}
     fp32, bf16 = rows["allreduce-fp32"], rows["allreduce-bf16"]
     assert bf16["ledger_bytes_per_step"] * 2 == fp32["ledger_bytes_per_step"]
     for r in (fp32, bf16):
