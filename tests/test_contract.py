@@ -103,6 +103,14 @@ TRANSFORMS = {
         ),
         dict(num_fragments=3),
     ),
+    "streaming_diloco_overlap": (
+        lambda **kw: od.streaming_diloco(
+            optax.sgd(0.1),
+            comm=COMM,
+            **({"period": 4, "num_fragments": 2, "delay": 1, "blend": 0.5, "overlap": True} | kw),
+        ),
+        dict(delay=0),
+    ),
     "decentralized_sgd": (
         lambda **kw: od.decentralized_sgd(
             optax.sgd(0.1, momentum=0.9), comm=COMM, **({"topology": od.topology.ring(N)} | kw)
@@ -293,7 +301,7 @@ def test_pmap_gives_the_numbers_of_simulate(name):
 
 
 # the default run keeps the periodic engine and PowerSGD donated; the full run, every transform
-DONATE_DEFAULT = ("diloco", "powersgd")
+DONATE_DEFAULT = ("diloco", "powersgd", "streaming_diloco_overlap")
 
 
 @pytest.mark.parametrize("where", ["simulate", "mesh"])

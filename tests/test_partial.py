@@ -1,5 +1,7 @@
 """SINGA partial averaging and Streaming DiLoCo."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +106,113 @@ def test_streaming_fragments_staggered_and_delayed(harness, delay, blend):
     assert stats["all_reduce[fragment1:float32]"] == od.KindTotals(3, 3 * 6 * 4)
 
 
+@pytest.mark.parametrize("delay", [1, 3])
+def test_overlap_gives_the_numbers_of_the_all_reduce_at_the_sync(harness, delay):
+    """``overlap``: each fragment's all-reduce spread over the ``delay`` steps after its sync, one
+    chunk per step, the outer step taken at the merge: the numbers of the all-reduce at the sync.
+    The ledger counts one chunk on every step (of the largest fragment: ``w``, 6 elements)."""
+    period, frags = 8, ((0,), (1,))
+
+    def make(overlap):
+        return lambda c: od.streaming_diloco(
+            optax.sgd(LR),
+            comm=c,
+            period=period,
+            num_fragments=2,
+            delay=delay,
+            blend=0.5,
+            fragments=frags,
+            overlap=overlap,
+        )
+
+    a, state = run_trajectory(harness, make(True), steps=21)
+    b, _ = run_trajectory(harness, make(False), steps=21)
+    close(a, b, atol=1e-6)
+    chunk = -(-6 // delay)
+    assert sync_stats(state) == {"overlapped_all_reduce[float32]": od.KindTotals(21, 21 * chunk * 4)}
+
+
+def test_overlap_is_bitwise_the_all_reduce_at_the_sync_with_16_bit_leaves():
+    """Under ``simulate``, bit for bit; a bfloat16 leaf (float32 anchor) goes on the wire as
+    bfloat16, divided before the sum, as ``pmean`` sends it; the all-reduce that completes a
+    fragment on its merge step and the first one after a sync included (delay = H/F − 1)."""
+    params = {
+        "a": jnp.linspace(-1, 1, 37 * 5).reshape(37, 5),
+        "b": jnp.linspace(0, 1, 11).astype(jnp.bfloat16),
+    }
+    comm = od.AxisComm("replica")
+
+    def run(overlap):
+        tx = od.streaming_diloco(
+            optax.sgd(0.01, momentum=0.9),
+            comm=comm,
+            period=8,
+            num_fragments=2,
+            delay=3,
+            blend=0.5,
+            overlap=overlap,
+        )
+
+        def step(p, s, t):
+            me = jax.lax.axis_index("replica").astype(jnp.float32)
+            g = jax.tree.map(lambda x: jnp.sin(3 * x.astype(jnp.float32) + me + t).astype(x.dtype), p)
+            u, s = tx.update(g, s, p)
+            return od.apply_updates(p, u, s), s
+
+        run_step = od.simulate(step)
+        p = od.replicate(params, 4)
+        s = jax.vmap(tx.init)(p)
+        for t in range(19):
+            p, s = run_step(p, s, jnp.full((4,), t, jnp.float32))
+        return p, s
+
+    (a, state), (b, _) = run(True), run(False)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    # one chunk per step: a quarter of "a" (185 floats, rounded up) and of "b" (11 bfloat16)
+    stats = od.comm_stats(jax.tree.map(lambda x: x[0], state)).by_kind
+    assert stats["overlapped_all_reduce[bfloat16+float32]"] == od.KindTotals(19, 19 * (62 * 4 + 4 * 2))
+
+
+def test_overlap_all_reduce_reads_and_writes_only_step_arguments_and_results():
+    """What lets XLA run the all-reduce while the step computes its gradients: it is outside
+    every conditional, it reads an argument of the step and its result is a result of the step
+    (an intermediate's buffer would be shared with the gradients' computation, which would then
+    wait for it)."""
+    comm = od.AxisComm("replica")
+    tx = od.streaming_diloco(optax.sgd(0.1), comm=comm, period=10, num_fragments=1, delay=9, overlap=True)
+    params = {"w": jnp.ones((30, 30)), "b": jnp.ones(30)}
+
+    def step(p, s):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(p["w"] @ p["b"])))(p)
+        u, s = tx.update(g, s, p)
+        return od.apply_updates(p, u, s), s
+
+    mesh = jax.make_mesh((2,), ("replica",), devices=jax.devices()[:2])
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+    p = od.replicate(params, 2)
+    p, s = jax.device_put((p, jax.vmap(tx.init)(p)), rows)
+    hlo = od.on_mesh(step, mesh, donate_argnums=(0, 1)).lower(p, s).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    chunk = f"f32[{-(-930 // 9)}]"
+    # operands only: the slice that overwrites the donated ``outgoing`` waits for the all-reduce
+    # that reads it (a control predecessor), which is not a use of its result
+    defs = {
+        n: re.sub(r"control-predecessors=\{[^}]*\}", "", r) for n, r in re.findall(r"%(\S+) = (.*)", entry)
+    }
+    reduces = [name for name, rhs in defs.items() if rhs.startswith(chunk) and " all-reduce(" in rhs]
+    assert len(reduces) == 1, reduces  # in the entry computation, not in a branch
+    operand = re.search(r"all-reduce\(%([\w.\-]+)", defs[reduces[0]]).group(1)
+    while " bitcast(" in defs.get(operand, ""):
+        operand = re.search(r"bitcast\(%([\w.\-]+)", defs[operand]).group(1)
+    assert " parameter(" in defs[operand], defs[operand]
+    users = [n for n, rhs in defs.items() if re.search(rf"%{re.escape(reduces[0])}\b", rhs)]
+    for user in users:
+        while user in defs and " bitcast(" in defs[user]:
+            user = [n for n, rhs in defs.items() if re.search(rf"%{re.escape(user)}\b", rhs)][0]
+        assert user not in defs or " tuple(" in defs[user], defs.get(user)
+
+
 def test_bad_arguments():
     comm = od.AxisComm("replica")
     with pytest.raises(ValueError, match="num_fragments="):
@@ -112,6 +221,11 @@ def test_bad_arguments():
         od.streaming_diloco(optax.sgd(0.1), comm=comm, period=8, num_fragments=2, delay=4)
     with pytest.raises(ValueError, match="blend="):
         od.streaming_diloco(optax.sgd(0.1), comm=comm, period=8, num_fragments=2, blend=1.0)
+    for bad in ({}, {"delay": 1, "num_shards": 2}, {"delay": 1, "reducer": od.allreduce(comm=comm)}):
+        with pytest.raises(ValueError, match="overlap=True"):
+            od.streaming_diloco(optax.sgd(0.1), comm=comm, period=8, num_fragments=2, overlap=True, **bad)
+    with pytest.raises(ValueError, match="overlap=1"):
+        od.streaming_diloco(optax.sgd(0.1), comm=comm, period=8, num_fragments=2, delay=1, overlap=1)
     tx = od.partial_average(optax.sgd(0.1), comm=comm, partitions=((0,),))
     with pytest.raises(ValueError, match="cover each"):
         tx.init({"a": jnp.zeros(2), "b": jnp.zeros(2)})

@@ -280,6 +280,26 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
         ),
         "Streaming DiLoCo, H = 50, 2 staggered fragments",
     ),
+    *(
+        Algorithm(
+            f"diloco-10-{mode}9",
+            lambda comm, local, ctx, overlap=overlap: optaxdist.streaming_diloco(
+                local,
+                ctx.diloco_outer(),
+                comm=comm,
+                period=10,
+                num_fragments=1,
+                delay=9,
+                blend=0.5,
+                overlap=overlap,
+            ),
+            f"DiLoCo, H = 10, the new anchor merged 9 steps after the sync (α = 0.5){what}",
+        )
+        for mode, overlap, what in (
+            ("delay", False, ": the all-reduce at the sync"),
+            ("overlap", True, ": the all-reduce spread over those 9 steps, overlapping their computation"),
+        )
+    ),
     Algorithm(
         "partial-avg",
         lambda comm, local, ctx: optaxdist.partial_average(

@@ -40,7 +40,16 @@ from optaxdist.bench import cost
 from optaxdist.bench.algorithms import ALGORITHMS
 from optaxdist.bench.netns import Lab, have_netns
 
-NETWORK_ROWS = ("allreduce-fp32", "allreduce-bf16", "powersgd-r2", "topk-1%-ef", "local-sgd-8", "diloco-10")
+NETWORK_ROWS = (
+    "allreduce-fp32",
+    "allreduce-bf16",
+    "powersgd-r2",
+    "topk-1%-ef",
+    "local-sgd-8",
+    "diloco-10",
+    "diloco-10-delay9",
+    "diloco-10-overlap9",
+)
 NOMINAL_LATENCY_S = 50e-6
 CALIBRATED = ("all_reduce", "all_gather", "permute")
 #: distributed: jax.distributed, one process per node (its devices_per_node devices), on_mesh;

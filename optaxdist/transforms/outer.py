@@ -21,13 +21,51 @@ import optax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
-from optaxdist.accounting import Kind, dtype_label, kind_name, payload_bytes
+from optaxdist.accounting import CommLedger, Kind, Payload, dtype_label, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
-from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
 from optaxdist.partition import Partition, balanced_fragments, resolve_partition
 from optaxdist.sharding import ModelSharding, map_subtrees, on_shards, same_layout
-from optaxdist.transforms._checks import check_comm, check_float_leaves, check_int, check_number
+from optaxdist.transforms._checks import check_bools, check_comm, check_float_leaves, check_int, check_number
 from optaxdist.transforms.periodic import SyncInput, periodic
+
+FlightKey = tuple[jnp.dtype, "jnp.dtype | None"]  # overlap's buffers: (anchor dtype, wire dtype)
+
+
+class InFlight(NamedTuple):
+    """``overlap``'s buffers: one flat vector each per key ``(anchor dtype, wire dtype)`` of the
+    parameters (``FlightKey``), per replica.
+
+    The all-reduce of a step reads ``outgoing`` and writes ``arrived``, both of them arguments
+    and results of the step and nothing else: XLA gives such values buffers of their own, where
+    it would share an intermediate's with the gradients' computation and so order the two.
+
+    Attributes:
+      pseudo: the pseudo-gradient of the fragment in flight (sized for the largest fragment:
+        ``delay`` chunks, in the anchors' dtype), its chunks replaced by their means as they
+        arrive; then one chunk where the steps that have no mean to keep write theirs (so that
+        every step writes one chunk, in place, and reads none).
+      outgoing: the chunk this step all-reduces, as it goes on the wire (``pmean``'s operand:
+        in the wire dtype, divided by the group size first for a 16-bit wire).
+      arrived: the sum of the chunk the previous step all-reduced, as it came off the wire.
+    """
+
+    pseudo: tuple[jax.Array, ...]
+    outgoing: tuple[jax.Array, ...]
+    arrived: tuple[jax.Array, ...]
+
+
+def _to_wire(chunk: jax.Array, key: FlightKey, size: int) -> jax.Array:
+    """What ``comm.pmean(chunk, dtype=key[1])`` sends of ``chunk`` (``Communicator.pmean``)."""
+    if divides_first(chunk.dtype, key[1]):
+        chunk = chunk / jnp.asarray(size, chunk.dtype)
+    return chunk.astype(key[1] or key[0])
+
+
+def _from_wire(summed: jax.Array, key: FlightKey, size: int) -> jax.Array:
+    """The mean ``comm.pmean`` returns, from the sum of ``_to_wire``'s chunks."""
+    mean = summed.astype(key[0])
+    return mean if divides_first(key[0], key[1]) else mean / jnp.asarray(size, key[0])
 
 
 @jax.tree_util.register_static
@@ -53,12 +91,15 @@ class OuterState(NamedTuple):
       outer_states: per fragment, the outer optimizer's state (replicated; a block when sharded).
       reducer_states: per fragment, a custom reducer's state (e.g. an error-feedback residual, per
         replica); empty without one.
+      in_flight: with ``overlap``, the pseudo-gradient whose all-reduce is under way
+        (``InFlight``, per replica); ``()`` without.
     """
 
     layout: OuterLayout
     anchors: tuple[Any, ...]
     outer_states: tuple[optax.OptState, ...]
     reducer_states: tuple[optax.OptState, ...]
+    in_flight: InFlight | tuple[()] = ()
 
     def anchor_params(self, like: Any) -> Any:
         """The anchors ``x₀`` as a tree of the structure of ``like`` (the parameters); also on a
@@ -132,6 +173,7 @@ def outer_sync(
     fragments: Partition | Any | None = None,
     delay: int = 0,
     blend: float = 0.0,
+    overlap: bool = False,
     reducer: optax.GradientTransformation | None = None,
     num_shards: int | None = None,
     model_sharding: ModelSharding | None = None,
@@ -157,13 +199,19 @@ def outer_sync(
 
     with :math:`x_0` the anchor (the parameters at the fragment's last sync, initially those passed
     to ``init``); the last assignment (the merge) runs ``delay`` steps after the sync
-    (Streaming DiLoCo's overlap; the collective itself runs at the sync), α = ``blend``.
+    (Streaming DiLoCo's overlap), α = ``blend``. The all-reduce of :math:`\Delta_f` runs at the
+    sync; with ``overlap`` it is spread over the ``delay`` steps after it instead, in a part of the
+    program that does not depend on those steps' gradients, so that it runs while they are
+    computed, and the outer step is taken at the merge: the same numbers.
 
     Communication: on a fragment's sync the ``reducer``'s collective on its pseudo-gradient; by
     default one all-reduce of the fragment in ``dtype`` (ledger ``all_reduce[<dtype>]``, with
     fragments ``all_reduce[fragment<f>:<dtype>]``), ``P/H`` bytes per step on average. With
     ``num_shards``: a reduce-scatter of the fragment at its sync and an all-gather of ``1/W`` of it
-    at its merge. Nothing on other steps (a branch of the engine's ``lax.switch``).
+    at its merge. With ``overlap``: on each of the ``delay`` steps after a sync, one all-reduce of
+    ``1/delay`` of the fragment (ledger ``overlapped_all_reduce[...]``, the fragment padded to a
+    multiple of ``delay`` elements). Nothing on other steps (a branch of the engine's
+    ``lax.switch``).
 
     Args:
       inner: the local optimizer.
@@ -177,6 +225,13 @@ def outer_sync(
         function of the parameters returning them (default ``balanced_fragments``).
       delay: steps between a fragment's sync and the merge of its new anchor (``< H / F``).
       blend: α ∈ [0, 1), the weight of the local value at the merge (0: replace).
+      overlap: spread each fragment's all-reduce over the ``delay`` steps between its sync and its
+        merge, one chunk per step, each outside the step's dependence on its gradients (the
+        engine's ``background``): the compiler may run it while the forward and backward pass
+        run, so a step costs the larger of its computation and its chunk's communication instead
+        of their sum. Needs ``delay ≥ 1``, the default mean (no ``reducer``, no ``num_shards``);
+        the pseudo-gradient in flight is kept in the state (the largest fragment, in the anchors'
+        dtype).
       reducer: how the per-replica pseudo-gradients ``x₀ − x_i`` are averaged: any gradient
         transformation that averages over ``comm`` (e.g. ``compressed_allreduce(compress.top_k(...),
         comm=comm)`` for compressed pseudo-gradients with error feedback, one state per fragment).
@@ -234,6 +289,12 @@ def outer_sync(
     if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < stride:
         raise ValueError(f"delay={delay!r} must be an int in [0, period / num_fragments = {stride})")
     check_number("blend", blend, 0, 1, open_high=True)
+    check_bools(overlap=overlap)
+    if overlap and (delay < 1 or reducer is not None or num_shards is not None):
+        raise ValueError(
+            f"overlap=True spreads the default all-reduce over the delay steps after a sync: it needs "
+            f"delay >= 1 (got {delay}), reducer=None and num_shards=None"
+        )
     anchor_floor = None if anchor_dtype is None else jnp.dtype(anchor_dtype)
     if anchor_floor is not None and not jnp.issubdtype(anchor_floor, jnp.floating):
         raise ValueError(f"anchor_dtype={anchor_dtype!r} must be None or a floating-point dtype")
@@ -311,9 +372,32 @@ def outer_sync(
             }
         else:
             out = {}
+        if overlap:
+            chunks = flight_plan(params)[0]
+            sizes = [(n, jnp.dtype(on_wire or anchor).itemsize) for (anchor, on_wire), n in chunks.items()]
+            out = {overlap_kind(params): Payload(sizes)}
         if anchor_after_first_step:
             out[kind_name("all_reduce", params, label="anchor_average")] = payload_bytes(params)
         return out
+
+    def flight_plan(params) -> tuple[dict[FlightKey, int], list[dict[FlightKey, list[int]]]]:
+        """``overlap``'s buffers: per key ``(anchor dtype, wire dtype or None)`` (what ``pmean``
+        gets: None sends the anchors' dtype) the elements of one chunk (a ``delay``-th of the
+        largest fragment's leaves of that key, rounded up), and per fragment its leaves by key."""
+        leaves = jax.tree.leaves(params)
+        plans: list[dict[FlightKey, list[int]]] = []
+        for part in layout_of(params).fragments:
+            plans.append({})
+            for i in part:
+                dtype = jnp.dtype(leaves[i].dtype)
+                anchor = anchor_type(dtype)
+                plans[-1].setdefault((anchor, wire or (None if anchor == dtype else dtype)), []).append(i)
+        chunks: dict[FlightKey, int] = {}
+        for plan in plans:
+            for key, ix in plan.items():
+                size = -(-sum(math.prod(leaves[i].shape) for i in ix) // delay)
+                chunks[key] = max(chunks.get(key, 0), size)
+        return chunks, plans
 
     def fragment(tree, part: tuple[int, ...]):
         """The fragment's values: the tree itself when the fragment is all of it in order (DiLoCo:
@@ -357,11 +441,20 @@ def outer_sync(
             else:  # copies, not aliases: callers may donate params and state to the same jitted step
                 anchors.append(jax.tree.map(lambda x: jnp.array(x, anchor_type(x.dtype), copy=True), mine))
                 outer_states.append(outer.init(anchors[-1]))
+        in_flight = ()
+        if overlap:
+            chunks = flight_plan(params)[0]
+            in_flight = InFlight(
+                pseudo=tuple(jnp.zeros(((delay + 1) * n,), key[0]) for key, n in chunks.items()),
+                outgoing=tuple(jnp.zeros((n,), key[1] or key[0]) for key, n in chunks.items()),
+                arrived=tuple(jnp.zeros((n,), key[1] or key[0]) for key, n in chunks.items()),
+            )
         return OuterState(
             layout=layout,
             anchors=tuple(anchors),
             outer_states=tuple(outer_states),
             reducer_states=tuple(reducer.init(a) for a in anchors) if reducer is not None else (),
+            in_flight=in_flight,
         )
 
     def my_blocks(values, part: tuple[int, ...]) -> Any:
@@ -424,6 +517,8 @@ def outer_sync(
                 ledger = ledger.record(_sharded_kind("reduce_scatter", layout.fragments, f, on_wire))
             else:
                 pseudo = jax.tree.map(lambda a, v: a - v.astype(a.dtype), anchor, local)
+                if overlap:  # the background sends it over the next `delay` steps (`in_flight`)
+                    return x._replace(sync_state=launch(x.params, f, pseudo, state))
                 if reducer is None:  # on the wire in `dtype`, else in the parameters' own dtype
                     delta = jax.tree.map(
                         lambda d, v: comm.pmean(d, dtype=wire or (None if d.dtype == v.dtype else v.dtype)),
@@ -433,24 +528,85 @@ def outer_sync(
                     ledger = ledger.record(Kind("all_reduce", _label(layout.fragments, f, local, wire)))
                 else:
                     delta, reducer_states[f] = reducer.update(pseudo, reducer_states[f], anchor)
-            outer_states = list(state.outer_states)
-            step, outer_states[f] = outer.update(delta, outer_states[f], anchor, inner_step=x.step)
-            anchors = list(state.anchors)
-            anchors[f] = optax.apply_updates(anchor, step)
-            state = state._replace(
-                anchors=tuple(anchors),
-                outer_states=tuple(outer_states),
-                reducer_states=tuple(reducer_states),
-            )
+            state = outer_step(f, delta, state._replace(reducer_states=tuple(reducer_states)), x.step)
             x = x._replace(sync_state=state, ledger=ledger)
             return merge(f)(x) if delay == 0 else x
 
         return branch
 
+    def outer_step(f: int, delta: Any, state: OuterState, inner_step: jax.Array) -> OuterState:
+        """Fragment ``f``'s outer step on the averaged pseudo-gradient ``delta``."""
+        anchor, outer_states = state.anchors[f], list(state.outer_states)
+        step, outer_states[f] = outer.update(delta, outer_states[f], anchor, inner_step=inner_step)
+        anchors = list(state.anchors)
+        anchors[f] = optax.apply_updates(anchor, step)
+        return state._replace(anchors=tuple(anchors), outer_states=tuple(outer_states))
+
+    def overlap_kind(params) -> Kind:
+        return Kind("all_reduce", dtype_label(params, wire), label="overlapped_all_reduce")
+
+    def launch(params, f: int, pseudo: Any, state: OuterState) -> OuterState:
+        """``overlap``: fragment ``f``'s pseudo-gradient into the in-flight buffers, and its first
+        chunk out: the background all-reduces one chunk on each of the next ``delay`` steps."""
+        chunks, plans = flight_plan(params)
+        mine = dict(zip(state.layout.fragments[f], jax.tree.leaves(pseudo)))
+        flight: InFlight = state.in_flight
+        buffers, outgoing = list(flight.pseudo), list(flight.outgoing)
+        for k, (key, n) in enumerate(chunks.items()):
+            if key in plans[f]:
+                flat = jnp.concatenate([mine[i].reshape(-1) for i in plans[f][key]])
+                buffers[k] = jnp.pad(flat, (0, buffers[k].shape[0] - flat.shape[0]))
+                outgoing[k] = _to_wire(buffers[k][:n], key, comm.size)
+        return state._replace(in_flight=flight._replace(pseudo=tuple(buffers), outgoing=tuple(outgoing)))
+
+    def landed(params, f: int, state: OuterState) -> Any:
+        """``overlap``: fragment ``f``'s averaged pseudo-gradient on its merge step, when the last
+        chunk's mean has just arrived, structured like its anchors."""
+        chunks, plans = flight_plan(params)
+        leaves, values = jax.tree.leaves(params), {}
+        flight: InFlight = state.in_flight
+        for k, (key, n) in enumerate(chunks.items()):
+            last = _from_wire(flight.arrived[k], key, comm.size)
+            mean = jax.lax.dynamic_update_slice(flight.pseudo[k], last, ((delay - 1) * n,))
+            offset = 0
+            for i in plans[f].get(key, []):
+                size = math.prod(leaves[i].shape)
+                values[i] = mean[offset : offset + size].reshape(leaves[i].shape)
+                offset += size
+        anchor = state.anchors[f]
+        return jax.tree.unflatten(jax.tree.structure(anchor), [values[i] for i in state.layout.fragments[f]])
+
+    def background(s: jax.Array, params: Any, state: OuterState, ledger: CommLedger):
+        """``overlap``, on every step: the all-reduce of ``outgoing`` into ``arrived`` (a sum, the
+        collective's own result); the chunk that arrived on the previous step written back as a
+        mean, the next chunk made ``outgoing``.
+
+        On the ``j``-th step after a fragment's sync (``j < delay``) the chunk is chunk ``j`` of
+        its pseudo-gradient; on the others (``stride − delay`` per ``stride`` steps) a chunk that
+        nothing reads. No conditional: XLA runs a collective concurrently with other work only
+        outside one."""
+        j = s % stride  # the last sync (of any fragment) was step s − j − 1
+        sending = (j < delay) & (s > j)
+        flight: InFlight = state.in_flight
+        pseudo, outgoing, arrived = [], [], []
+        for k, (key, n) in enumerate(flight_plan(params)[0].items()):
+            arrived.append(comm.psum(flight.outgoing[k]))
+            back = jnp.where(sending & (j > 0), j - 1, delay) * n  # the previous step's chunk, or scratch
+            mean = _from_wire(flight.arrived[k], key, comm.size)
+            pseudo.append(jax.lax.dynamic_update_slice(flight.pseudo[k], mean, (back,)))
+            following = jnp.minimum(j + 1, delay - 1) * n
+            outgoing.append(_to_wire(jax.lax.dynamic_slice(pseudo[-1], (following,), (n,)), key, comm.size))
+        flight = InFlight(tuple(pseudo), tuple(outgoing), tuple(arrived))
+        ledger = ledger.record(overlap_kind(params))
+        return state._replace(in_flight=per_replica(flight, comm)), ledger
+
     def merge(f: int):
         """Fragment ``f``'s local values ← ``α·local + (1 − α)·x₀`` (``x₀`` itself when α = 0)."""
 
         def branch(x: SyncInput) -> SyncInput:
+            if overlap:  # the last chunk's all-reduce ran in this step's background
+                landing = landed(x.params, f, x.sync_state)
+                x = x._replace(sync_state=outer_step(f, landing, x.sync_state, x.step - delay))
             state: OuterState = x.sync_state
             part = checked_layout(x).fragments[f]
             values, treedef = jax.tree.flatten(x.local)
@@ -497,6 +653,7 @@ def outer_sync(
         kinds=kinds,
         init_sync=init_sync,
         begin=begin if (sharded or anchor_after_first_step or warmup_steps) else None,
+        background=background if overlap else None,
         warmup_steps=warmup_steps,
         dtype=dtype,
         check_start=check_start,

@@ -185,6 +185,7 @@ def periodic(
     kinds: Callable[[Any, Any], dict[Kind, int]] = lambda params, inner_state: {},
     init_sync: Callable[[Any], Any] = lambda params: (),
     begin: Sync | None = None,
+    background: Callable[[jax.Array, Any, Any, CommLedger], tuple[Any, CommLedger]] | None = None,
     warmup_steps: int = 0,
     dtype: Any = None,
     ledger_varies: bool = False,
@@ -211,6 +212,12 @@ def periodic(
       begin: run once, on the first step after the warm-up, after the local step and before that
         step's synchronization (e.g. taking the anchors from the parameters). It may change the
         synchronizations' state and the ledger, not ``local``.
+      background: ``(step counted from the end of the warm-up, params, sync_state, ledger) →
+        (sync_state, ledger)``, run on every update before the schedule's switch. It never sees
+        this step's gradients (nor the local step), so the compiler may run its collectives while
+        the step computes them: a collective that a synchronization started and a later one
+        finishes, overlapped with computation (``params``: for their shapes and dtypes). It picks
+        its own steps (a ``lax.switch`` on the replicated step).
       warmup_steps: updates whose gradients are all-reduced (over ``comm``, in ``dtype``) before
         the local step, with no synchronization: replicas stay identical (post-local SGD).
       ledger_varies: the synchronizations send different numbers of messages on different
@@ -275,6 +282,9 @@ def periodic(
         bodies = tuple(syncs(params) if callable(syncs) else syncs)
         t = comm.uniform(state.step)  # keeps the switch a branch under simulate
         s = t - warmup_steps
+        sync_state, ledger = state.sync_state, state.ledger
+        if background is not None:  # before the switch, on state only: free to overlap
+            sync_state, ledger = background(s, params, sync_state, ledger)
 
         def local(operand, then: Sync | None = None, *, moves_params: bool = True):
             """The local step, then ``then`` (a synchronization, or ``begin`` followed by one).
@@ -333,7 +343,7 @@ def periodic(
             branches += [lambda op, f=f: local(op, lambda x: f(begin(x))) for f in bodies]
             index = jnp.where(t == warmup_steps, first + scheduled, index)
         out, inner_state, sync_state, ledger, agreed = jax.lax.switch(
-            index, branches, (updates, state.inner_state, state.sync_state, state.ledger, state.agreed)
+            index, branches, (updates, state.inner_state, sync_state, ledger, state.agreed)
         )
         return out, PeriodicState(
             step=optax.safe_increment(t),
