@@ -115,6 +115,17 @@ def test_ring_allreduce_formula(network, n):
         assert cost.collective_time(kind, s, n, network) == pytest.approx(expected, rel=1e-12)
 
 
+def test_step_time_hides_overlapped_collectives_behind_the_computation():
+    net = cost.NETWORKS["10GbE"]
+    plain = Kind("all_reduce", "float32")
+    hidden = Kind("all_reduce", "float32", label="overlapped_all_reduce")
+    t = cost.collective_time(plain, 1e6, 4, net)
+    assert cost.step_time(0.0, {plain: (1, 10**6)}, 1, 4, net) == pytest.approx(t)
+    assert cost.step_time(t / 2, {plain: (1, 10**6)}, 1, 4, net) == pytest.approx(1.5 * t)
+    assert cost.step_time(t / 2, {hidden: (1, 10**6)}, 1, 4, net) == pytest.approx(t)
+    assert cost.step_time(2 * t, {hidden: (1, 10**6), plain: (1, 10**6)}, 1, 4, net) == pytest.approx(3 * t)
+
+
 def test_cost_model_constants_and_edge_cases():
     assert cost.NETWORKS["10GbE"].bandwidth == 1.25e9
     assert cost.NETWORKS["nvlink"].bandwidth == 450e9

@@ -164,6 +164,24 @@ def comm_time_per_step(
     return total
 
 
+def step_time(
+    compute_s: float,
+    by_kind: Mapping[Kind, tuple[int, int]],
+    steps: int,
+    n: int,
+    network: str | Network | Mapping[str, Network],
+    *,
+    nodes: int | None = None,
+) -> float:
+    """Modelled seconds per step: ``compute_s`` plus ``comm_time_per_step``, except the collectives
+    that overlap the computation (kinds labelled ``overlapped_…``, e.g. Streaming DiLoCo's
+    ``overlap=True``), which take ``max(compute, their time)``."""
+    overlapped = {k: v for k, v in by_kind.items() if k.label.startswith("overlapped")}
+    rest = {k: v for k, v in by_kind.items() if k not in overlapped}
+    hidden = comm_time_per_step(overlapped, steps, n, network, nodes=nodes)
+    return max(compute_s, hidden) + comm_time_per_step(rest, steps, n, network, nodes=nodes)
+
+
 def split_bytes(by_kind: Mapping[Kind, tuple[int, int]], nodes: int) -> tuple[int, int]:
     """``(intra-node, inter-node)`` payload bytes: node-local kinds are intra-node; cross-node kinds
     inter-node; flat kinds cross nodes whenever there is more than one node."""

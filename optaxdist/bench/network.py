@@ -144,9 +144,10 @@ def run_config(cfg: NetworkConfig, layout: str, nodes: int, rate_mbit: float | N
                 "replicas": nodes * g,
                 "coordinator": f"{host}:{port}",
                 "out": tmp,
-                # the micro-benchmark runs on the jax.distributed mesh of one device per node
+                # the micro-benchmark runs over one device per node: the jax.distributed mesh, or
+                # the MPI ranks (one per node)
                 "calibration_bytes": calibration_sizes(rate_mbit, nodes)
-                if cfg.calibrate and layout == "distributed" and g == 1
+                if cfg.calibrate and layout in ("distributed", "mpi") and g == 1
                 else None,
             }
             path = os.path.join(tmp, "config.json")
@@ -283,8 +284,8 @@ def summarize(config_run: dict[str, Any], steps: int) -> list[dict[str, Any]]:
         measured = statistics.mean(w["rows"][name]["tx_bytes"] for w in first_of_node) / steps
         compute = statistics.mean(statistics.median(r["compute_s"]) for r in per)
         step_s = per[0]["step_s"]
-        model = compute + cost.comm_time_per_step(ledger, steps, n, nominal, nodes=nodes)
-        calibrated = compute + cost.comm_time_per_step(ledger, steps, n, fitted) if fitted else None
+        model = cost.step_time(compute, ledger, steps, n, nominal, nodes=nodes)
+        calibrated = cost.step_time(compute, ledger, steps, n, fitted) if fitted else None
         loss = _smoothed([statistics.mean(r["loss"][i] for r in per) for i in range(steps)], window)
         rows.append(
             {

@@ -8,8 +8,9 @@ Started by ``optaxdist.bench.network`` inside its node's network namespace; join
 * ``calibration`` (when the config asks for it): seconds per collective (all-reduce, all-gather,
   permute) for a range of sizes;
 * per algorithm row: compute-only seconds per step (the same step, one replica alone), then the
-  seconds and loss of each timed step of all replicas, the node's interface byte counters around
-  them, and the ledger's totals over those steps.
+  seconds of each timed step of all replicas and its loss (the mean over this process's
+  replicas), the node's interface byte counters around them, and the ledger's totals over those
+  steps.
 """
 
 from __future__ import annotations
@@ -108,15 +109,37 @@ def _first(tree: Any) -> Any:
     )
 
 
-def calibrate(cfg: dict[str, Any], mesh: Any) -> dict[str, Any]:
-    """Median seconds of one collective of each kind and payload size (float32 buffers)."""
+def _local_mean(x: Any) -> float:
+    """The mean of a stacked (possibly global) array over this process's replicas."""
+    shards = [s.data for s in x.addressable_shards] if hasattr(x, "addressable_shards") else [x]
+    return float(np.mean(np.concatenate([np.asarray(s).reshape(-1) for s in shards])))
+
+
+def calibrate(cfg: dict[str, Any], layout: Layout) -> dict[str, Any]:
+    """Median seconds of one collective of each kind and payload size (float32 buffers), over
+    every node: the ``jax.distributed`` mesh of one device per node, or under the ``mpi`` layout
+    (one rank per node) its ``MpiComm``."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import optaxdist
 
-    comm, n, spec = optaxdist.AxisComm(mesh.axis_names), mesh.size, P(mesh.axis_names)
+    if cfg["layout"] == "mpi":
+        comm = layout.hierarchy.world
+        n = comm.size
+        compiled = jax.jit
+        argument = lambda local: jax.numpy.asarray(local[0])  # noqa: E731
+    else:
+        mesh = layout.hierarchy.mesh
+        comm, n, spec = optaxdist.AxisComm(mesh.axis_names), mesh.size, P(mesh.axis_names)
+
+        def compiled(op):
+            return jax.jit(jax.shard_map(lambda x: op(x[0])[None], mesh=mesh, in_specs=spec, out_specs=spec))
+
+        def argument(local):
+            return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
+
     ring = [(i, (i + 1) % n) for i in range(n)]
     ops = {
         "all_reduce": lambda x: comm.psum(x),
@@ -125,11 +148,11 @@ def calibrate(cfg: dict[str, Any], mesh: Any) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for kind, op in ops.items():
-        fn = jax.jit(jax.shard_map(lambda x, op=op: op(x[0])[None], mesh=mesh, in_specs=spec, out_specs=spec))
+        fn = compiled(op)
         rows = []
         for size in cfg["calibration_bytes"][kind]:
             local = np.ones((1, max(size // 4, 1)), np.float32)
-            x = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
+            x = argument(local)
             for _ in range(2):
                 jax.block_until_ready(fn(x))
             times = []
@@ -190,7 +213,9 @@ def run_row(cfg: dict[str, Any], name: str, data: Any, layout: Layout, alone: La
         for _ in range(count):
             t = time.perf_counter()
             params, state, key, loss = step(params, state, x, y, key)
-            loss = float(np.asarray(layout.mine(loss)).reshape(-1)[0])  # waits for the step
+            # the mean over this process's replicas (every process holds as many): the suite's mean
+            # over processes is then the mean over all replicas, on every layout
+            loss = _local_mean(loss)  # waits for the step
             times.append(time.perf_counter() - t)
             losses.append(loss)
         return (params, state, x, y, key), times, losses
@@ -268,7 +293,7 @@ def main(config_path: str, process_id: int) -> None:
     node = process_id // (cfg["devices_per_node"] if cfg["layout"] == "mpi" else 1)  # node: a rank each
     record: dict[str, Any] = {"process": process_id, "node": node, "rows": {}}
     if cfg["calibration_bytes"]:
-        record["calibration"] = calibrate(cfg, layout.hierarchy.mesh)
+        record["calibration"] = calibrate(cfg, layout)
     for name in cfg["rows"]:
         record["rows"][name] = run_row(cfg, name, data, layout, alone)
         if process_id == 0:

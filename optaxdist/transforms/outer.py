@@ -208,10 +208,11 @@ def outer_sync(
     default one all-reduce of the fragment in ``dtype`` (ledger ``all_reduce[<dtype>]``, with
     fragments ``all_reduce[fragment<f>:<dtype>]``), ``P/H`` bytes per step on average. With
     ``num_shards``: a reduce-scatter of the fragment at its sync and an all-gather of ``1/W`` of it
-    at its merge. With ``overlap``: on each of the ``delay`` steps after a sync, one all-reduce of
-    ``1/delay`` of the fragment (ledger ``overlapped_all_reduce[...]``, the fragment padded to a
-    multiple of ``delay`` elements). Nothing on other steps (a branch of the engine's
-    ``lax.switch``).
+    at its merge. Nothing on other steps (a branch of the engine's ``lax.switch``). With
+    ``overlap``, on every step (outside any conditional) one all-reduce of ``1/delay`` of the
+    largest fragment, rounded up (ledger ``overlapped_all_reduce[...]``): on the ``delay`` steps
+    after a sync a chunk of that fragment, on the ``H/F − delay`` others of every ``H/F`` a chunk
+    nothing reads; ``delay = H/F − 1`` wastes least.
 
     Args:
       inner: the local optimizer.
@@ -227,11 +228,11 @@ def outer_sync(
       blend: α ∈ [0, 1), the weight of the local value at the merge (0: replace).
       overlap: spread each fragment's all-reduce over the ``delay`` steps between its sync and its
         merge, one chunk per step, each outside the step's dependence on its gradients (the
-        engine's ``background``): the compiler may run it while the forward and backward pass
-        run, so a step costs the larger of its computation and its chunk's communication instead
-        of their sum. Needs ``delay ≥ 1``, the default mean (no ``reducer``, no ``num_shards``);
-        the pseudo-gradient in flight is kept in the state (the largest fragment, in the anchors'
-        dtype).
+        engine's ``background``): XLA may run it while the forward and backward pass run, so a
+        step costs up to the larger of its computation and its chunk's communication instead of
+        their sum. Needs ``delay ≥ 1``, the default mean (no ``reducer``, no ``num_shards``);
+        the pseudo-gradient in flight is kept in the state (``InFlight``: the largest fragment,
+        in the anchors' dtype, and two chunks).
       reducer: how the per-replica pseudo-gradients ``x₀ − x_i`` are averaged: any gradient
         transformation that averages over ``comm`` (e.g. ``compressed_allreduce(compress.top_k(...),
         comm=comm)`` for compressed pseudo-gradients with error feedback, one state per fragment).
