@@ -39,6 +39,10 @@ Algorithm-specific rules:
   fragment's anchor and outer state blocks are concatenated and re-split into ``M`` blocks of
   ``ceil(P_f / M)`` elements; the static payloads of the reduce-scatter / all-gather ledger kinds
   are recomputed for ``M``.
+* ``InFlight`` (``streaming_diloco(overlap=True)``, an all-reduce in chunks under way): the
+  pseudo-gradient in flight becomes its mean over the replicas (the chunks already averaged stay
+  as they are), and the chunks on the wire are rescaled for ``M`` replicas, so the merge takes
+  the outer step on the mean, as a sync would have.
 * ``DasoState``: ``M`` must be a multiple of ``node_size=`` (the new configuration's replicas per
   node, DASO's ``local_comm`` size); a resize with a pending (not yet merged) cross-node send is
   refused (resize at an epoch end, where DASO is blocking); the unused pending-sum buffer is
@@ -62,6 +66,7 @@ import jax
 import numpy as np
 
 from optaxdist.accounting import CommLedger
+from optaxdist.comm.base import divides_first
 from optaxdist.optimizers import SignSgdState, SingaSgdState
 from optaxdist.topology import Topology
 from optaxdist.transforms._checks import find_states
@@ -71,7 +76,7 @@ from optaxdist.transforms.compressed import CompressedAllReduceState, ExactWarmu
 from optaxdist.transforms.daso import DasoEvents, DasoState
 from optaxdist.transforms.gossip import Gossip, PushSumState
 from optaxdist.transforms.loss_scale import DynamicLossScaleState
-from optaxdist.transforms.outer import OuterLayout, OuterState, SlowMoOuterState, sharded_payloads
+from optaxdist.transforms.outer import InFlight, OuterLayout, OuterState, SlowMoOuterState, sharded_payloads
 from optaxdist.transforms.periodic import AgreedParams, PeriodicState
 from optaxdist.transforms.powersgd import PowerSgdState
 
@@ -106,7 +111,10 @@ RULES: dict[type, dict[str, str | None]] = {
         "anchors": REPLICATED,
         "outer_states": REPLICATED,
         "reducer_states": AVERAGE,
+        "in_flight": INHERIT,
     },
+    # ``_Resizer.in_flight``: the pseudo-gradient averaged, the wire chunks rescaled for M
+    InFlight: {"pseudo": AVERAGE, "outgoing": "rescaled", "arrived": "rescaled"},
     SlowMoOuterState: {"slow_momentum": INHERIT},
     PushSumState: {
         "ps_weight": "ps_weight",  # renormalised to 1
@@ -277,6 +285,8 @@ class _Resizer:
     def walk(self, node, rule: str, path: str):
         if _is_ledger(node):
             return _ledger(node, self.m, path)
+        if isinstance(node, InFlight):
+            return self.in_flight(node, path)
         table = RULES.get(type(node))
         if table is not None:
             if _is_sharded(node):
@@ -312,6 +322,23 @@ class _Resizer:
         children, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
         out = [self.walk(v, rule, path + jax.tree_util.keystr(p)) for p, v in children]
         return jax.tree.unflatten(treedef, out)
+
+    def in_flight(self, node: InFlight, path: str) -> InFlight:
+        """``streaming_diloco(overlap=True)``'s all-reduce under way: each replica's pseudo-gradient
+        (and the chunks already averaged) become their mean, as at a sync. ``outgoing`` is each
+        replica's next chunk as sent (divided by ``N`` first on a 16-bit wire: now by ``M``),
+        ``arrived`` the sum over the ``N`` replicas of the previous one (the mean times ``N``,
+        or the mean on a 16-bit wire): rescaled so that their mean is unchanged with ``M``."""
+        n, m = self.n, self.m
+        pseudo, outgoing, arrived = [], [], []
+        for k, (p, o, a) in enumerate(zip(node.pseudo, node.outgoing, node.arrived)):
+            first = divides_first(np.asarray(p).dtype, np.asarray(o).dtype)
+            pseudo.append(self.walk(p, AVERAGE, f"{path}.pseudo[{k}]"))
+            sent = np.asarray(o, np.float64).mean(axis=0) * (n / m if first else 1.0)
+            summed = np.asarray(a, np.float64)[0] * (1.0 if first else m / n)
+            outgoing.append(_broadcast(sent.astype(np.asarray(o).dtype), m))
+            arrived.append(_broadcast(summed.astype(np.asarray(a).dtype), m))
+        return InFlight(tuple(pseudo), tuple(outgoing), tuple(arrived))
 
     def sharded_outer(self, s: PeriodicState, path: str) -> PeriodicState:
         n, m = self.n, self.m

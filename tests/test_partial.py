@@ -174,6 +174,41 @@ def test_overlap_is_bitwise_the_all_reduce_at_the_sync_with_16_bit_leaves():
     assert stats["overlapped_all_reduce[bfloat16+float32]"] == od.KindTotals(19, 19 * (62 * 4 + 4 * 2))
 
 
+@pytest.mark.parametrize("steps_before", [6, 9, 10])
+def test_overlap_resized_while_a_chunk_is_in_flight(steps_before):
+    """``resize_replicas`` from 4 to 2 replicas in the middle of an overlapped all-reduce: the
+    bfloat16 fragment ``b`` (synced at step 3, divided before its sum) after step 5, the float32
+    fragment ``a`` (synced at step 7) after steps 8 and 9. With every replica on the same
+    gradients, the run continues as a 2-replica run from the start would: the chunks on the wire
+    are rescaled for 2."""
+    params = {"a": jnp.linspace(-1, 1, 24).reshape(4, 6), "b": jnp.linspace(0, 1, 8).astype(jnp.bfloat16)}
+    comm = od.AxisComm("replica")
+    tx = od.streaming_diloco(
+        optax.sgd(0.05, momentum=0.9), comm=comm, period=8, num_fragments=2, delay=3, blend=0.5, overlap=True
+    )
+
+    def step(p, s, t):
+        g = jax.tree.map(lambda x: jnp.cos(2 * x.astype(jnp.float32) + t).astype(x.dtype), p)
+        u, s = tx.update(g, s, p)
+        return od.apply_updates(p, u, s), s
+
+    run_step = od.simulate(step)
+
+    def run(p, s, n, steps):
+        for t in steps:
+            p, s = run_step(p, s, jnp.full((n,), t, jnp.float32))
+        return p, s
+
+    p4 = od.replicate(params, 4)
+    p4, s4 = run(p4, jax.vmap(tx.init)(p4), 4, range(steps_before))
+    p2, s2 = od.resize_replicas(p4, s4, 2)
+    resized, _ = run(p2, s2, 2, range(steps_before, 16))
+    p2 = od.replicate(params, 2)
+    want, _ = run(p2, jax.vmap(tx.init)(p2), 2, range(16))
+    for x, y in zip(jax.tree.leaves(resized), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=1e-2, atol=1e-5)
+
+
 def test_overlap_all_reduce_reads_and_writes_only_step_arguments_and_results():
     """What lets XLA run the all-reduce while the step computes its gradients: it is outside
     every conditional, it reads an argument of the step and its result is a result of the step

@@ -50,6 +50,18 @@ def divides_first(leaf_dtype: Any, wire_dtype: Any) -> bool:
     return jnp.issubdtype(leaf_dtype, jnp.floating) and on_wire.name in NARROW_WIRE_DTYPES
 
 
+def mean_before_sum(x: jax.Array, wire_dtype: Any, size: int) -> jax.Array:
+    """``pmean``'s operand before the sum: divided by ``size`` first when the wire is 16-bit
+    (``divides_first``; ``wire_dtype`` None: the leaf's own)."""
+    x = jnp.asarray(x)
+    return x / jnp.asarray(size, x.dtype) if divides_first(x.dtype, wire_dtype) else x
+
+
+def mean_after_sum(summed: jax.Array, leaf_dtype: Any, wire_dtype: Any, size: int) -> jax.Array:
+    """``pmean``'s result from the sum (back in ``leaf_dtype``) of ``mean_before_sum``'s operands."""
+    return summed if divides_first(leaf_dtype, wire_dtype) else summed / jnp.asarray(size, summed.dtype)
+
+
 def sum_in_member_order(rows: jax.Array) -> jax.Array:
     """``rows[0] + rows[1] + ...`` left to right, 16-bit floats added in float32 and rounded once.
 
@@ -182,16 +194,8 @@ class Communicator(abc.ABC):
                 raise TypeError(f"pmean needs floating-point leaves, got {jnp.asarray(x).dtype}")
         dt = canonical_comm_dtype(dtype)
         size = self.size
-
-        def before(x):
-            x = jnp.asarray(x)
-            return x / jnp.asarray(size, x.dtype) if divides_first(x.dtype, dt) else x
-
-        def after(x, summed):
-            x = jnp.asarray(x)
-            return summed if divides_first(x.dtype, dt) else summed / jnp.asarray(size, x.dtype)
-
-        return jax.tree.map(after, tree, self.psum(jax.tree.map(before, tree), dtype=dt))
+        summed = self.psum(jax.tree.map(lambda x: mean_before_sum(x, dt, size), tree), dtype=dt)
+        return jax.tree.map(lambda x, s: mean_after_sum(s, jnp.asarray(x).dtype, dt, size), tree, summed)
 
     def psum_scatter(self, x: jax.Array) -> jax.Array:
         """Reduce-scatter of a flat vector whose length is a multiple of ``size``: member ``i`` gets

@@ -37,8 +37,10 @@ COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 def _jit(fun: Callable[..., Any], donate_argnums: int | Sequence[int]) -> Callable[..., Any]:
-    """``jax.jit`` as every harness compiles a step (``COMPILER_OPTIONS``)."""
-    return jax.jit(fun, donate_argnums=donate_argnums, compiler_options=COMPILER_OPTIONS)
+    """``jax.jit`` as every harness compiles a step (``COMPILER_OPTIONS`` on the CPU backend;
+    other backends' plugins need not know the option)."""
+    options = COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+    return jax.jit(fun, donate_argnums=donate_argnums, compiler_options=options)
 
 
 def replicate(tree: PyTree, n: int) -> PyTree:

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from optaxdist.accounting import CommLedger, Kind, Payload, dtype_label, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
-from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
+from optaxdist.comm.base import Communicator, canonical_comm_dtype, mean_after_sum, mean_before_sum
 from optaxdist.partition import Partition, balanced_fragments, resolve_partition
 from optaxdist.sharding import ModelSharding, map_subtrees, on_shards, same_layout
 from optaxdist.transforms._checks import check_bools, check_comm, check_float_leaves, check_int, check_number
@@ -57,15 +57,12 @@ class InFlight(NamedTuple):
 
 def _to_wire(chunk: jax.Array, key: FlightKey, size: int) -> jax.Array:
     """What ``comm.pmean(chunk, dtype=key[1])`` sends of ``chunk`` (``Communicator.pmean``)."""
-    if divides_first(chunk.dtype, key[1]):
-        chunk = chunk / jnp.asarray(size, chunk.dtype)
-    return chunk.astype(key[1] or key[0])
+    return mean_before_sum(chunk, key[1], size).astype(key[1] or key[0])
 
 
 def _from_wire(summed: jax.Array, key: FlightKey, size: int) -> jax.Array:
     """The mean ``comm.pmean`` returns, from the sum of ``_to_wire``'s chunks."""
-    mean = summed.astype(key[0])
-    return mean if divides_first(key[0], key[1]) else mean / jnp.asarray(size, key[0])
+    return mean_after_sum(summed.astype(key[0]), key[0], key[1], size)
 
 
 @jax.tree_util.register_static
@@ -209,10 +206,11 @@ def outer_sync(
     fragments ``all_reduce[fragment<f>:<dtype>]``), ``P/H`` bytes per step on average. With
     ``num_shards``: a reduce-scatter of the fragment at its sync and an all-gather of ``1/W`` of it
     at its merge. Nothing on other steps (a branch of the engine's ``lax.switch``). With
-    ``overlap``, on every step (outside any conditional) one all-reduce of ``1/delay`` of the
-    largest fragment, rounded up (ledger ``overlapped_all_reduce[...]``): on the ``delay`` steps
-    after a sync a chunk of that fragment, on the ``H/F − delay`` others of every ``H/F`` a chunk
-    nothing reads; ``delay = H/F − 1`` wastes least.
+    ``overlap``, on every step (outside any conditional, warm-up included) one all-reduce of
+    ``1/delay`` of the largest fragment, rounded up, per pair of anchor and wire dtype (ledger
+    ``overlapped_all_reduce[...]``): on the ``delay`` steps after a sync a chunk of that fragment,
+    on the others (``H/F − delay`` of every ``H/F``, the warm-up, the steps before the first
+    sync) a chunk nothing reads; ``delay = H/F − 1`` wastes least.
 
     Args:
       inner: the local optimizer.
@@ -231,8 +229,9 @@ def outer_sync(
         engine's ``background``): XLA may run it while the forward and backward pass run, so a
         step costs up to the larger of its computation and its chunk's communication instead of
         their sum. Needs ``delay ≥ 1``, the default mean (no ``reducer``, no ``num_shards``);
-        the pseudo-gradient in flight is kept in the state (``InFlight``: the largest fragment,
-        in the anchors' dtype, and two chunks).
+        the pseudo-gradient in flight is kept in the state (``InFlight``: per pair of anchor
+        and wire dtype, the largest fragment's leaves of that pair in the anchors' dtype, and two
+        chunks).
       reducer: how the per-replica pseudo-gradients ``x₀ − x_i`` are averaged: any gradient
         transformation that averages over ``comm`` (e.g. ``compressed_allreduce(compress.top_k(...),
         comm=comm)`` for compressed pseudo-gradients with error feedback, one state per fragment).
@@ -587,7 +586,7 @@ def outer_sync(
         nothing reads. No conditional: XLA runs a collective concurrently with other work only
         outside one."""
         j = s % stride  # the last sync (of any fragment) was step s − j − 1
-        sending = (j < delay) & (s > j)
+        sending = j < delay  # before the first sync: garbage written back, then overwritten by it
         flight: InFlight = state.in_flight
         pseudo, outgoing, arrived = [], [], []
         for k, (key, n) in enumerate(flight_plan(params)[0].items()):
@@ -854,7 +853,8 @@ def streaming_diloco(
 ) -> optax.GradientTransformationExtraArgs:
     r"""Streaming DiLoCo: DiLoCo per fragment, the fragments' syncs staggered across the period;
     ``outer_sync`` with ``num_fragments`` fragments (its other options: ``comm``, ``period``,
-    ``delay``, ``blend``, ``fragments``, ``reducer``, ``num_shards``, ``dtype``, the engine's).
+    ``delay``, ``blend``, ``overlap``, ``fragments``, ``reducer``, ``num_shards``, ``dtype``, the
+    engine's).
 
     The same ``P/H`` bytes per step on average as DiLoCo with ``F`` times lower peak; with ``delay``
     the paper's overlap (the new anchor merged ``delay`` steps after its all-reduce).

@@ -217,7 +217,8 @@ def periodic(
         this step's gradients (nor the local step), so the compiler may run its collectives while
         the step computes them: a collective that a synchronization started and a later one
         finishes, overlapped with computation (``params``: for their shapes and dtypes). It picks
-        its own steps (a ``lax.switch`` on the replicated step).
+        its own steps without a conditional (selects and dynamic slices on the replicated step):
+        XLA runs a collective alongside other work only outside one.
       warmup_steps: updates whose gradients are all-reduced (over ``comm``, in ``dtype``) before
         the local step, with no synchronization: replicas stay identical (post-local SGD).
       ledger_varies: the synchronizations send different numbers of messages on different
