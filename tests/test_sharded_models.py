@@ -80,6 +80,9 @@ TRANSFORMS = {
     ),
     "partial_average": lambda c, n: od.partial_average(_momentum(), comm=c, partitions=((0,), (1, 2))),
     "streaming_diloco": lambda c, n: od.streaming_diloco(_sgd(), comm=c, period=2, num_fragments=2),
+    "streaming_diloco_overlap": lambda c, n: od.streaming_diloco(
+        _sgd(), comm=c, period=4, num_fragments=2, delay=1, blend=0.5, overlap=True
+    ),
     "decentralized_sgd": lambda c, n: od.decentralized_sgd(_momentum(), comm=c, topology=od.topology.ring(n)),
     "sgp_overlap": lambda c, n: od.sgp(
         _sgd(), comm=c, topology=od.topology.ring(n, directed=True), overlap=True, average_period=2

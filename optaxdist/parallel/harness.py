@@ -36,11 +36,29 @@ REPLICA_AXIS = "replica"
 COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
+class _Jitted:
+    """``jax.jit(fun)`` compiled with ``COMPILER_OPTIONS`` on the CPU backend (other backends'
+    plugins need not know the option). JAX takes compiler options on a top-level ``jit`` only,
+    so a call from inside another transformation (``jax.jit``, ``make_jaxpr`` of a harness step)
+    goes to the same function jitted without them; ``lower``, ``trace`` and the rest are the
+    top-level one's."""
+
+    def __init__(self, fun: Callable[..., Any], donate_argnums: int | Sequence[int]):
+        options = COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
+        self._top = jax.jit(fun, donate_argnums=donate_argnums, compiler_options=options)
+        self._nested = jax.jit(fun, donate_argnums=donate_argnums) if options else self._top
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+        return (self._nested if traced else self._top)(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._top, name)
+
+
 def _jit(fun: Callable[..., Any], donate_argnums: int | Sequence[int]) -> Callable[..., Any]:
-    """``jax.jit`` as every harness compiles a step (``COMPILER_OPTIONS`` on the CPU backend;
-    other backends' plugins need not know the option)."""
-    options = COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
-    return jax.jit(fun, donate_argnums=donate_argnums, compiler_options=options)
+    """``jax.jit`` as every harness compiles a step (``_Jitted``)."""
+    return _Jitted(fun, donate_argnums)
 
 
 def replicate(tree: PyTree, n: int) -> PyTree:
