@@ -37,11 +37,11 @@ COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
 class _Jitted:
-    """``jax.jit(fun)`` compiled with ``COMPILER_OPTIONS`` on the CPU backend (other backends'
-    plugins need not know the option). JAX takes compiler options on a top-level ``jit`` only,
-    so a call from inside another transformation (``jax.jit``, ``make_jaxpr`` of a harness step)
-    goes to the same function jitted without them; ``lower``, ``trace`` and the rest are the
-    top-level one's."""
+    """How every harness jits its step: ``jax.jit(fun)`` compiled with ``COMPILER_OPTIONS`` on
+    the CPU backend (other backends' plugins need not know the option). JAX takes compiler
+    options on a top-level ``jit`` only, so a call from inside another transformation
+    (``jax.jit``, ``make_jaxpr`` of a harness step) goes to the same function jitted without
+    them; ``lower``, ``trace`` and the rest are the top-level one's."""
 
     def __init__(self, fun: Callable[..., Any], donate_argnums: int | Sequence[int]):
         options = COMPILER_OPTIONS if jax.default_backend() == "cpu" else None
@@ -54,11 +54,6 @@ class _Jitted:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._top, name)
-
-
-def _jit(fun: Callable[..., Any], donate_argnums: int | Sequence[int]) -> Callable[..., Any]:
-    """``jax.jit`` as every harness compiles a step (``_Jitted``)."""
-    return _Jitted(fun, donate_argnums)
 
 
 def replicate(tree: PyTree, n: int) -> PyTree:
@@ -113,7 +108,7 @@ def simulate(
         out = mapped(*split)
         return jax.tree.map(lambda x: x.reshape((n,) + x.shape[len(names) :]), out)
 
-    return _jit(run, donate_argnums) if jit else run
+    return _Jitted(run, donate_argnums) if jit else run
 
 
 def _on_own_row(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -248,7 +243,7 @@ class _OutputsLikeInputs:
         placement = self._placement(args)
         if placement not in self._jitted:
             placed = lambda *a: _place_like(self._run(*a), *placement)  # noqa: E731
-            self._jitted[placement] = _jit(placed, self._donate_argnums)
+            self._jitted[placement] = _Jitted(placed, self._donate_argnums)
         return self._jitted[placement]
 
     def __call__(self, *args: Any) -> Any:
@@ -347,7 +342,7 @@ def on_mesh(
 
     many = check_config and jax.process_count() > 1
     return AgreedStep(
-        _jit(run, donate_argnums)
+        _Jitted(run, donate_argnums)
         if explicit or not model_axes
         else _OutputsLikeInputs(run, mesh, model_axes, donate_argnums),
         run,
@@ -378,7 +373,7 @@ def on_mpi(
 
         comm = MpiComm() if comm is None else comm
         allgather = comm.host_allgather if comm.size > 1 else None
-    return AgreedStep(_jit(step, donate_argnums), step, step, allgather, "ranks")
+    return AgreedStep(_Jitted(step, donate_argnums), step, step, allgather, "ranks")
 
 
 def on_node(
@@ -419,7 +414,7 @@ def on_node(
 
     exchange = hierarchy.cross.exchange
     allgather = exchange.host_allgather if check_config and exchange.size > 1 else None
-    jitted = _jit(run, donate_argnums)
+    jitted = _Jitted(run, donate_argnums)
     return AgreedStep(jitted, run, step, allgather, "nodes", wait=True)
 
 
