@@ -442,3 +442,27 @@ def test_sharded_suite_training(tmp_path):
     assert abs(row["loss_difference"]) < 1e-5 and row["max_param_difference"] < 1e-5
     assert row["mesh"]["ledger_bytes_per_replica"] == row["simulate"]["ledger_bytes_per_replica"] > 0
     assert row["mesh"]["params_bytes"] < 0.6 * row["simulate"]["params_bytes"]
+
+
+def test_merge_joins_rows_of_one_experiment_and_refuses_others(record, tmp_path, capsys):
+    base = {k: v for k, v in record.items() if k != "_out"}
+    paths = []
+    for i, result in enumerate(base["results"]):  # one record per row, as separate runs write them
+        path = tmp_path / f"run{i}.json"
+        path.write_text(json.dumps(dict(base, results=[result])))
+        paths.append(str(path))
+    out = tmp_path / "merged"
+    assert main(["merge", *reversed(paths), "--out", str(out), "--tag", "t"]) == 0
+    merged = json.loads((out / "t.json").read_text())
+    assert [r["algorithm"] for r in merged["results"]] == ["allreduce-bf16", "allreduce-fp32"]
+    assert merged["results"] == base["results"][::-1]
+    assert merged["config"]["algorithms"] == ["allreduce-bf16", "allreduce-fp32"]
+    assert (out / "t_loss_vs_bytes.png").exists()
+    assert "allreduce-bf16" in capsys.readouterr().out
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(dict(base, results=base["results"][1:], config=dict(base["config"], lr=0.5))))
+    assert main(["merge", paths[0], str(other), "--out", str(out)]) == 2
+    assert "config.lr: 0.05 vs 0.5" in capsys.readouterr().err
+    assert main(["merge", paths[0], paths[0], "--out", str(out)]) == 2
+    assert "'allreduce-fp32' is in both" in capsys.readouterr().err

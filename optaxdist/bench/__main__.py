@@ -19,7 +19,7 @@ from optaxdist.bench.algorithms import (
 from optaxdist.bench.data import DATASETS, SHARDINGS
 from optaxdist.bench.network import NETWORK_ROWS
 
-SUBCOMMANDS = ("bench",)
+SUBCOMMANDS = ("bench", "merge")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -232,6 +232,18 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("--d-model", type=int, default=64, help="training part: transformer width")
     sh.add_argument("--layers", type=int, default=2, help="training part: transformer blocks")
     sh.add_argument("--heads", type=int, default=4, help="training part: attention heads")
+    m = sub.add_parser(
+        "merge",
+        help="one table and one set of figures from train records run apart",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Merge the JSON records of `optaxdist bench` runs of the same experiment (same "
+        "data, model, configuration, cost model and platform; one or more algorithms each) into "
+        "one record: print its table, write its JSON and figures.",
+    )
+    m.add_argument("records", nargs="+", help="bench_<dataset>_<shards>.json files, rows in this order")
+    m.add_argument("--out", required=True, help="directory for the merged JSON and PNG output")
+    m.add_argument("--tag", default=None, help="file name stem (default: the first record's file name)")
+    m.add_argument("--no-plots", action="store_true")
     return parser
 
 
@@ -440,6 +452,22 @@ def _sharded(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge(args: argparse.Namespace) -> int:
+    from optaxdist.bench.merge import load, merge_records
+    from optaxdist.bench.run import format_table, write_outputs
+
+    try:
+        record = merge_records(load(args.records), names=args.records)
+    except (OSError, ValueError) as e:
+        print(f"optaxdist merge: error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(record))
+    tag = args.tag or os.path.splitext(os.path.basename(args.records[0]))[0]
+    paths = write_outputs(record, args.out, tag, plots=not args.no_plots)
+    print("wrote " + ", ".join(paths), file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``optaxdist`` console script and of ``python -m optaxdist.bench``.
 
@@ -449,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] not in SUBCOMMANDS:  # `bench` is the default (and --help its help)
         argv = ["bench", *argv]
     args = _parser().parse_args(argv)
+    if args.command == "merge":
+        return _merge(args)
 
     if args.list:
         for a in ALGORITHMS.values():

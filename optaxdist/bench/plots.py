@@ -51,6 +51,8 @@ def plot_curves(record: dict[str, Any], out: str, tag: str) -> list[str]:
         ax.set_xlabel(xlabel)
         ax.set_ylabel("train loss (whole train set)")
         ax.set_yscale("log")
+        if name == "loss_vs_bytes":  # the rows' bytes span orders of magnitude
+            ax.set_xscale("log", nonpositive="mask")
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
