@@ -63,6 +63,15 @@ def test_matches_numpy_and_sends_the_packed_bytes(harness):
     assert sync_stats(state) == {"all_gather[chunked_top_k/1of4]": od.KindTotals(syncs, syncs * per_sync)}
 
 
+def test_outer_replaces_the_outer_sgd(harness):
+    # outer_lr keeps its default (1.0): the trajectory is the NumPy model's only if outer's 0.8 is used
+    settings = dict(chunk_size=4, k=1, value_bits=None, error_decay=0.5, outer=optax.sgd(0.8))
+    params, _ = run_trajectory(
+        harness, lambda c: od.sparseloco(optax.sgd(LR), comm=c, period=PERIOD, **settings), steps=STEPS
+    )
+    close(params, np_sparseloco(harness.n, chunk=4, k=1, decay=0.5, outer_lr=0.8))
+
+
 def test_small_leaves_are_packed_into_one_vector(harness):
     """chunk 8: w (6 values) and b (2) are both smaller than a chunk, so they travel as one vector of
     8 values (one chunk, b first); without packing each leaf pads a chunk of its own."""
@@ -130,6 +139,8 @@ def test_bad_settings_fail_at_construction():
         od.sparseloco(inner, comm=comm, error_decay=1.5)
     with pytest.raises(ValueError, match="outer_lr"):
         od.sparseloco(inner, comm=comm, outer_lr=0.0)
+    with pytest.raises(ValueError, match="outer_lr=0.5 is SGD's learning rate"):
+        od.sparseloco(inner, comm=comm, outer_lr=0.5, outer=optax.sgd(0.5))
     with pytest.raises(ValueError, match="value_scale='max'"):
         od.sparseloco(inner, comm=comm, value_scale="max")
     with pytest.raises(ValueError, match="pack_small_leaves=1"):

@@ -260,6 +260,32 @@ PERIODIC_ALGORITHMS: list[Algorithm] = [
         "sparseloco-30 with every leaf chunked on its own (a leaf smaller than a chunk sends up to k "
         "of its entries, as Templar's per-tensor chunks do), not the small leaves packed together",
     ),
+    *(
+        Algorithm(
+            f"sparseloco-{name}",
+            lambda comm, local, ctx, o=options: optaxdist.sparseloco(
+                local,
+                comm=comm,
+                model_sharding=ctx.model_sharding,
+                **{k: ctx.diloco_outer() if v == "nesterov" else v for k, v in o.items()},
+            ),
+            f"sparseloco-30 ablation: {what}",
+        )
+        for name, options, what in (
+            ("30-k256", {"period": 30, "k": 256}, "256 of every 4096 entries (6.25 %)"),
+            ("30-k1024", {"period": 30, "k": 1024}, "1024 of every 4096 entries (25 %)"),
+            ("30-fp32", {"period": 30, "value_bits": None}, "the kept values sent as float32"),
+            ("30-ef1", {"period": 30, "error_decay": 1.0}, "error feedback without decay"),
+            ("15", {"period": 15}, "H = 15"),
+            ("30-lr0.7", {"period": 30, "outer_lr": 0.7}, "outer lr 0.7"),
+            ("30-nesterov", {"period": 30, "outer": "nesterov"}, "DiLoCo's outer Nesterov SGD"),
+            (
+                "30-nesterov-k1024-fp32",
+                {"period": 30, "outer": "nesterov", "k": 1024, "value_bits": None},
+                "DiLoCo's outer Nesterov SGD, 1024 of every 4096 entries as float32",
+            ),
+        )
+    ),
     Algorithm(
         "local-adam-50",
         lambda comm, local, ctx: optaxdist.local_sgd(local, comm=comm, period=50, average_inner_state=True),

@@ -33,6 +33,7 @@ def sparseloco(
     pack_small_leaves: bool | None = None,
     error_decay: float = 0.95,
     outer_lr: float = 1.0,
+    outer: optax.GradientTransformation | None = None,
     model_sharding: ModelSharding | None = None,
     warmup_steps: int = 0,
     check_start: bool = True,
@@ -86,6 +87,10 @@ def sparseloco(
         chunking (None: yes, unless ``model_sharding`` is given; it can't be combined with it).
       error_decay: β, the decay of the error-feedback buffer (0.95).
       outer_lr: η, the outer learning rate (1.0).
+      outer: another outer optimizer in place of SGD(``outer_lr``) (e.g. DiLoCo's Nesterov
+        momentum, ``diloco_outer_optimizer()``); None: the paper's SGD. The error-feedback buffer
+        already acts as momentum, so on the char-LM benchmark adding Nesterov momentum on top made
+        it much worse (see docs/transforms/sparseloco.md).
       model_sharding: under FSDP / tensor parallelism inside each replica, the parameters' split
         (``optaxdist.ModelSharding``): each device compresses its own blocks, chunk by chunk.
       warmup_steps, check_start, nonfinite, exact_sync: see ``outer_sync``.
@@ -121,6 +126,8 @@ def sparseloco(
             "of values per chunk)"
         )
     check_number("outer_lr", outer_lr, low=0.0, open_low=True)
+    if outer is not None and outer_lr != 1.0:
+        raise ValueError(f"outer_lr={outer_lr!r} is SGD's learning rate: with outer= given, set its own rate")
     values = None if value_bits is None else quantize(value_bits, block_size=k, scale=value_scale)
     reducer = compressed_allreduce(
         chunked_top_k(chunk_size, k, values=values),
@@ -134,7 +141,7 @@ def sparseloco(
         reducer = _on_packed_small_leaves(reducer, chunk_size)
     return outer_sync(
         inner,
-        optax.sgd(outer_lr),
+        optax.sgd(outer_lr) if outer is None else outer,
         comm=comm,
         period=period,
         reducer=reducer,
