@@ -25,6 +25,8 @@ ALL = {
     "int8": compress.quantize(8, block_size=4),
     "int4_stochastic": compress.quantize(4, block_size=6, rounding="stochastic"),
     "int2": compress.quantize(2, block_size=8),
+    "e4m3": compress.quantize(8, block_size=4, format="e4m3"),
+    "e5m2_stochastic": compress.quantize(8, block_size=6, format="e5m2", rounding="stochastic"),
     "chunked_top_k": compress.chunked_top_k(8, 2),
     "int4_chunked_top_k": compress.chunked_top_k(16, 4, values=compress.quantize(4, block_size=2)),
     "int2_sigma": compress.quantize(2, block_size=8, scale="sigma"),
@@ -352,6 +354,44 @@ def test_stochastic_rounding_is_unbiased():
     np.testing.assert_allclose(mean, x, atol=0.03)
 
 
+@pytest.mark.parametrize("fmt, ulp", [("e4m3", 2.0**-3), ("e5m2", 2.0**-2)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_float8_error_within_its_ulp(fmt, ulp, rounding):
+    from optaxdist.compress.quantize import FLOAT8
+
+    c = compress.quantize(8, block_size=64, format=fmt, rounding=rounding)
+    x = jax.random.normal(jax.random.key(1), (1000,)) * jnp.repeat(jnp.logspace(-3, 2, 16), 64)[:1000]
+    packed, scale = c.encode(x, KEY)
+    assert packed.dtype == jnp.uint8 and packed.shape == (1024,) and scale.shape == (16,)
+    np.testing.assert_allclose(
+        np.asarray(scale), np.abs(np.pad(x, (0, 24))).reshape(16, 64).max(1) / c.levels, rtol=2e-7
+    )
+    got = np.asarray(c.decode((packed, scale), 1000, KEY))
+    x = np.asarray(x)
+    # relative to the value where its scaled magnitude is a normal 8-bit float: half an ulp (nearest)
+    # or one ulp (stochastic) of the format's significand
+    tiny = float(jnp.finfo(FLOAT8[fmt]).tiny)  # the smallest normal 8-bit float
+    normal = np.abs(x) >= np.repeat(np.asarray(scale), 64)[:1000] * tiny
+    bound = ulp * (0.5 if rounding == "nearest" else 1.0)
+    assert normal.mean() > 0.9
+    assert (np.abs(got - x)[normal] <= bound * np.abs(x[normal]) * (1 + 1e-6)).all()
+    # and the largest magnitude of each block is exact: it maps to the format's largest value
+    blocks = np.pad(x, (0, 24)).reshape(16, 64)
+    top = np.abs(blocks).argmax(1)
+    np.testing.assert_allclose(
+        np.pad(got, (0, 24)).reshape(16, 64)[np.arange(16), top], blocks[np.arange(16), top], rtol=2e-7
+    )
+
+
+def test_float8_stochastic_rounding_is_unbiased():
+    c = compress.quantize(8, block_size=8, format="e4m3", rounding="stochastic")
+    x = jnp.asarray([1.0, 0.3, -0.55, 0.0, 0.9, -1.0, 0.2, 0.05])
+    keys = jax.random.split(KEY, 4000)
+    samples = jax.vmap(lambda k: c.decode(c.encode(x, k), 8, k))(keys)
+    assert len(np.unique(np.asarray(samples[:, 1]))) == 2  # 0.3 lies between two 8-bit floats
+    np.testing.assert_allclose(samples.mean(0), x, atol=2e-3)
+
+
 def np_quantized_mean(c, g):
     """NumPy model: every replica's block-wise quantization (round half to even), decoded, averaged."""
     out = []
@@ -360,21 +400,33 @@ def np_quantized_mean(c, g):
         num = -(-flat.size // c.block_size)
         blocks = np.pad(flat, (0, num * c.block_size - flat.size)).reshape(num, -1).astype(np.float32)
         scale = np.abs(blocks).max(1) / np.float32(c.levels)
-        ints = np.clip(np.round(blocks / np.where(scale > 0, scale, 1)[:, None]), -c.levels, c.levels)
+        scaled = blocks / np.where(scale > 0, scale, 1)[:, None]
+        if c.format == "int":
+            ints = np.clip(np.round(scaled), -c.levels, c.levels)
+        else:
+            ints = np_float8(np.clip(scaled, -c.levels, c.levels), c.format)
         out.append((ints * scale[:, None]).reshape(-1)[: flat.size].reshape(x.shape))
     return np.mean(out, axis=0)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_allreduce_against_numpy(harness, bits):
-    c = compress.quantize(bits, block_size=4)
+def np_float8(x, fmt):
+    """``x`` rounded to the nearest 8-bit float of ``fmt`` (half to even: ml_dtypes' cast), as float32."""
+    import ml_dtypes
+
+    return x.astype({"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits, fmt", [(8, "int"), (4, "int"), (8, "e4m3"), (8, "e5m2")])
+def test_quantized_allreduce_against_numpy(harness, bits, fmt):
+    c = compress.quantize(bits, block_size=4, format=fmt)
     g = grads(harness.n)
     out, state = one_step(harness, c, g, error_feedback=False)
     for k in g:
         np.testing.assert_allclose(out[k], np.broadcast_to(np_quantized_mean(c, g[k]), g[k].shape), atol=1e-6)
     # kernel 3×4 = 12 values: 3 blocks; bias 4 values: 1 block; bits/8 bytes per value, 4 per scale
     per_replica = (12 * bits // 8 + 3 * 4) + (4 * bits // 8 + 1 * 4)
-    assert od.comm_stats(state).by_kind == {f"all_gather[int{bits}/4]": od.KindTotals(1, per_replica)}
+    name = f"int{bits}" if fmt == "int" else fmt
+    assert od.comm_stats(state).by_kind == {f"all_gather[{name}/4]": od.KindTotals(1, per_replica)}
 
 
 def test_quantize_bad_arguments():
@@ -388,6 +440,12 @@ def test_quantize_bad_arguments():
         compress.quantize(8.0)
     with pytest.raises(ValueError, match="block_size=True"):
         compress.quantize(8, block_size=True)
+    with pytest.raises(ValueError, match="format='fp8'; allowed"):
+        compress.quantize(8, format="fp8")
+    with pytest.raises(ValueError, match="format='e4m3' is an 8-bit float .* needs bits=8"):
+        compress.quantize(4, format="e4m3")
+    with pytest.raises(ValueError, match="format='e5m2' .* scale='absmax'"):
+        compress.quantize(8, format="e5m2", scale="sigma")
 
 
 # ---- σ bins (scale="sigma", SparseLoCo) ----------------------------------------------------------

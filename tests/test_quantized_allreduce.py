@@ -14,6 +14,7 @@ import pytest
 import optaxdist as od
 from optaxdist import compress
 from tests.test_accounting import compiled_wire_bytes, ledger_wire_bytes
+from tests.test_compress import np_float8
 
 W = 8
 SHAPES = {"kernel": (13, 31), "bias": (37,)}  # 403 and 37 values: no multiple of W·block_size
@@ -34,11 +35,15 @@ def grads(n, steps=2, seed=0):
 
 
 def np_encode(c, x):
-    """Integers (as float32) and scales of ``x`` (whole blocks), the arithmetic of ``Quantize``."""
+    """Integers or 8-bit floats (as float32) and scales of ``x`` (whole blocks), the arithmetic of
+    ``Quantize``."""
     blocks = np.pad(x, (0, -x.size % c.block_size)).reshape(-1, c.block_size)
     scale = np.abs(blocks).max(1) * np.float32(1 / c.levels)
     inverse = np.float32(1) / np.where(scale > 0, scale, np.float32(1))
-    return np.clip(np.round(blocks * inverse[:, None]), -c.levels, c.levels), scale
+    scaled = blocks * inverse[:, None]
+    if c.format != "int":
+        return np_float8(np.clip(scaled, -c.levels, c.levels), c.format), scale
+    return np.clip(np.round(scaled), -c.levels, c.levels), scale
 
 
 def np_decode(ints, scale):
@@ -126,10 +131,12 @@ def test_all_to_all_over_two_axes_is_one_flat_group():
 # ---- bit for bit -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits, block_size", [(8, 64), (4, 16), (2, 8)])
+@pytest.mark.parametrize(
+    "bits, block_size, fmt", [(8, 64, "int"), (4, 16, "int"), (2, 8, "int"), (8, 64, "e4m3"), (8, 16, "e5m2")]
+)
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])
-def test_two_phase_equals_numpy_model_bit_for_bit(harness, bits, block_size, error_feedback):
-    c = compress.quantize(bits, block_size=block_size, exchange="two_phase")
+def test_two_phase_equals_numpy_model_bit_for_bit(harness, bits, block_size, fmt, error_feedback):
+    c = compress.quantize(bits, block_size=block_size, exchange="two_phase", format=fmt)
     g = grads(harness.n)
     outs, state = run_steps(harness, c, g, error_feedback)
     want, errors = np_steps(c, g, error_feedback)

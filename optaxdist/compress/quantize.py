@@ -1,5 +1,5 @@
-"""Block-wise integer quantization: 8, 4 or 2 bits per value, one float32 scale per block, values
-bit-packed on the wire."""
+"""Block-wise quantization: integers of 8, 4 or 2 bits or 8-bit floats (e4m3, e5m2) per value, one
+float32 scale (or a table of bin values) per block, values bit-packed on the wire."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ BITS = (2, 4, 8)
 ROUNDINGS = ("nearest", "stochastic")
 EXCHANGES = ("all_gather", "two_phase")
 SCALES = ("absmax", "sigma")
+FORMATS = ("int", "e4m3", "e5m2")
+FLOAT8 = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}  # e4m3: OCP's finite-only variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,18 @@ class Quantize(Compressor):
     computes :math:`n_i s_b` as :math:`n_i s_b^{hi} + n_i s_b^{lo}` (``s_hi``: the top 17
     significant bits of the scale), two exact products whose sum is :math:`\mathrm{fl}(n_i s_b)`
     with or without a fused multiply-add, before or after.
+
+    **8-bit floats** (``format="e4m3"`` or ``"e5m2"``, ``bits=8``: torchft's row-wise fp8, here per
+    block). The scale maps the block's largest magnitude to the format's largest finite value
+    :math:`m` (448 for e4m3, 57344 for e5m2): :math:`s_b = \max_{i \in b} |x_i| \cdot
+    \mathrm{fl}(1/m)`, and each value is :math:`f_i = \mathrm{fp8}(x_i \cdot \mathrm{fl}(1/s_b))`,
+    clipped to :math:`[-m, m]` and rounded to the nearest 8-bit float (half to even), or
+    stochastically to one of its two neighbours on the 8-bit grid (with probability by distance:
+    unbiased). One byte per value (its bit pattern), one float32 scale per block, as int8; the
+    relative error is at most :math:`2^{-4}` (e4m3) or :math:`2^{-3}` (e5m2) of the value (half
+    an ulp; below the smallest normal, half the subnormal spacing times the scale) instead of
+    int8's :math:`s_b/2` absolute: better for blocks of mixed magnitudes, worse for uniform ones.
+    Ledger kind ``all_gather[e4m3/<block_size>]``. Both exchanges.
 
     Two exchanges (``exchange``):
 
@@ -109,6 +123,7 @@ class Quantize(Compressor):
     exchange: str = "all_gather"
     scale: str = "absmax"
     sigmas: float = 6.0
+    format: str = "int"
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in BITS:
@@ -130,6 +145,13 @@ class Quantize(Compressor):
             raise ValueError(f"sigmas={sigmas!r} must be a finite number > 0 (the range of the bins in σ)")
         if self.scale == "absmax" and sigmas != 6.0:
             raise ValueError(f"sigmas={sigmas!r} applies to scale='sigma' only")
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r}; allowed: {FORMATS}")
+        if self.format != "int" and (self.bits != 8 or self.scale != "absmax"):
+            raise ValueError(
+                f"format={self.format!r} is an 8-bit float with one scale per block: it needs bits=8 "
+                f"and scale='absmax', got bits={self.bits!r}, scale={self.scale!r}"
+            )
         if self.scale == "sigma" and self.exchange != "all_gather":
             raise ValueError(
                 f"scale='sigma' with exchange={self.exchange!r}: σ bins support exchange='all_gather' only"
@@ -139,11 +161,15 @@ class Quantize(Compressor):
     def name(self) -> str:
         sigma = f",sigma{self.sigmas:g}" if self.scale == "sigma" else ""
         suffix = "" if self.rounding == "nearest" else ",stochastic"
-        return f"int{self.bits}/{self.block_size}{sigma}{suffix}"
+        code = f"int{self.bits}" if self.format == "int" else self.format
+        return f"{code}/{self.block_size}{sigma}{suffix}"
 
     @property
-    def levels(self) -> int:
-        """q: the integers are in [−q, q] (``scale="absmax"``)."""
+    def levels(self) -> int | float:
+        """q: the integers are in [−q, q] (``scale="absmax"``); with an 8-bit float format, the
+        format's largest finite value."""
+        if self.format != "int":
+            return float(jnp.finfo(FLOAT8[self.format]).max)
         return 2 ** (self.bits - 1) - 1
 
     @property
@@ -163,6 +189,8 @@ class Quantize(Compressor):
         scale = jnp.max(jnp.abs(blocks), axis=1) * jnp.float32(1 / q)
         inverse = jnp.float32(1) / jnp.where(scale > 0, scale, jnp.float32(1))
         scaled = blocks * inverse[:, None]
+        if self.format != "int":
+            return self._float8_codes(scaled, key), scale
         if self.rounding == "nearest":
             ints = jnp.round(scaled)
         else:
@@ -174,6 +202,27 @@ class Quantize(Compressor):
 
     def decode(self, payload, size, key):
         return self._decode(payload)[:size]
+
+    def _float8_codes(self, scaled: jax.Array, key) -> jax.Array:
+        """The bit patterns (uint8) of ``scaled`` (in [−m, m] up to rounding) as 8-bit floats,
+        rounded to nearest or stochastically; a non-finite value codes as 0 (its block's scale is
+        not finite, so it decodes to NaN)."""
+        fp8, top = FLOAT8[self.format], jnp.float32(self.levels)
+        x = jnp.where(jnp.isfinite(scaled), jnp.clip(scaled, -top, top), jnp.float32(0))
+        if self.rounding == "stochastic":
+            # the magnitude's neighbours on the 8-bit grid: bit patterns of one sign are ordered
+            magnitude = jnp.abs(x)
+            near = jax.lax.bitcast_convert_type(magnitude.astype(fp8), jnp.uint8)
+            near_value = jax.lax.bitcast_convert_type(near, fp8).astype(jnp.float32)
+            low = jnp.where(near_value > magnitude, near - jnp.uint8(1), near)
+            low_value = jax.lax.bitcast_convert_type(low, fp8).astype(jnp.float32)
+            high = jnp.where(low_value < magnitude, low + jnp.uint8(1), low)
+            high_value = jax.lax.bitcast_convert_type(high, fp8).astype(jnp.float32)
+            gap = high_value - low_value
+            up = jax.random.uniform(key, x.shape, jnp.float32) * gap < magnitude - low_value
+            codes = jnp.where(up, high, low) | jnp.where(x < 0, jnp.uint8(0x80), jnp.uint8(0))
+            return codes.reshape(-1)
+        return jax.lax.bitcast_convert_type(x.astype(fp8), jnp.uint8).reshape(-1)
 
     def _encode_sigma(self, x, key):
         """Codes and per-block tables of ``scale="sigma"`` (see the class)."""
@@ -223,12 +272,17 @@ class Quantize(Compressor):
         packed, scale = payload
         num = scale.shape[-1]
         codes = _unpack(packed, self.bits, num * self.block_size)
-        ints = codes.astype(jnp.float32) - jnp.float32(self.levels)
+        if self.format == "int":
+            ints = codes.astype(jnp.float32) - jnp.float32(self.levels)
+            # n·s as two exact products (|n| < 2^7, s_hi of 17 significant bits, s_lo of the
+            # other 7): the same bits whether or not XLA fuses a product with an add around it
+            mask = jnp.uint32(0xFFFFFF80)
+        else:  # an 8-bit float has at most 4 significant bits: s_hi of 20 bits, s_lo of 4
+            ints = jax.lax.bitcast_convert_type(codes, FLOAT8[self.format]).astype(jnp.float32)
+            mask = jnp.uint32(0xFFFFFFF0)
         ints = ints.reshape(*codes.shape[:-1], num, self.block_size)
-        # n·s as two exact products (|n| < 2^7, s_hi of 17 significant bits, s_lo of the other 7):
-        # the same bits whether or not XLA fuses a product with an add around it
         high = jax.lax.bitcast_convert_type(
-            jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0xFFFFFF80), jnp.float32
+            jax.lax.bitcast_convert_type(scale, jnp.uint32) & mask, jnp.float32
         )
         values = ints * high[..., None] + ints * (scale - high)[..., None]
         return values.reshape(*codes.shape[:-1], num * self.block_size)
@@ -289,9 +343,11 @@ def quantize(
     exchange: str = "all_gather",
     scale: str = "absmax",
     sigmas: float = 6.0,
+    format: str = "int",
 ) -> Quantize:
     """Block-wise ``bits``-bit quantization (8, 4 or 2) with a float32 scale per ``block_size``
-    values, or with SparseLoCo's σ bins and a table of bin values per block (see ``Quantize``).
+    values, or with SparseLoCo's σ bins and a table of bin values per block, or to 8-bit floats
+    with a scale per block (see ``Quantize``).
 
     Args:
       bits: 8, 4 or 2 bits per value.
@@ -306,9 +362,12 @@ def quantize(
         decoded to the bins' centroids (``"nearest"``) or centres (``"stochastic"``); SparseLoCo's
         2-bit quantizer; ``exchange="all_gather"`` only).
       sigmas: with ``scale="sigma"``, the width of the bins' range in standard deviations (6).
+      format: ``"int"`` (integers), or an 8-bit float, ``"e4m3"`` (``float8_e4m3fn``: 4 exponent
+        bits, 3 mantissa bits, no infinities) or ``"e5m2"``, scaled per block so that the largest
+        magnitude is the format's largest value; needs ``bits=8`` and ``scale="absmax"``.
 
     Example:
       >>> tx = optaxdist.compressed_allreduce(
       ...     optaxdist.compress.quantize(8, exchange="two_phase"), comm=comm)
     """
-    return Quantize(bits, block_size, rounding, exchange, scale, sigmas)
+    return Quantize(bits, block_size, rounding, exchange, scale, sigmas, format)
