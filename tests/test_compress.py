@@ -29,6 +29,9 @@ ALL = {
     "e5m2_stochastic": compress.quantize(8, block_size=6, format="e5m2", rounding="stochastic"),
     "chunked_top_k": compress.chunked_top_k(8, 2),
     "int4_chunked_top_k": compress.chunked_top_k(16, 4, values=compress.quantize(4, block_size=2)),
+    "e4m3_chunked_top_k": compress.chunked_top_k(
+        16, 4, values=compress.quantize(8, block_size=4, format="e4m3")
+    ),
     "int2_sigma": compress.quantize(2, block_size=8, scale="sigma"),
     "int4_sigma_stochastic": compress.quantize(4, block_size=6, scale="sigma", rounding="stochastic"),
     "int2_sigma_chunked_top_k": compress.chunked_top_k(
