@@ -90,18 +90,25 @@ def _host_verdict(same: jax.Array) -> jax.Array:
     return shard_map(callback, in_specs=P(), out_specs=P(), axis_names=set(auto), check_vma=False)(same)
 
 
-def check_identical_start(params: Any, ledger: CommLedger, comm: Communicator) -> CommLedger:
-    """Raise ``ValueError`` on every replica together if the replicas' parameters differ: their
-    fingerprints are compared with replica 0's (a broadcast of one uint32 per leaf and one int32
-    agreement).
+def check_identical_start(
+    check_start: bool, params: Any, step: jax.Array, ledger: CommLedger, comm: Communicator
+) -> CommLedger:
+    """On step 0, raise ``ValueError`` on every replica together if the replicas' parameters
+    differ: their fingerprints are compared with replica 0's (a broadcast of one uint32 per leaf
+    and one int32 agreement, at step 0 only).
 
-    The periodic engine runs it in the branch of its schedule's switch that serves update 0 only,
-    so on every harness, ``simulate`` included, later updates run neither the comparison nor the
-    host callback. The callback is a ``pure_callback`` whose (zero) result is counted into the
-    ledger: it carries no side effect, so a step keeps JAX's fast dispatch path (a
-    ``debug.callback`` anywhere in the program, even in a branch that never runs, costs about a
-    millisecond per call).
+    The check sits in a ``lax.cond`` on the replica-uniform step (``comm.uniform``), so on every
+    harness, ``simulate`` included, later steps run neither the comparison nor the host callback.
+    The callback is a ``pure_callback`` whose (zero) result is counted into the ledger: it carries
+    no side effect, so a step keeps JAX's fast dispatch path (a ``debug.callback`` anywhere in the
+    program, even in a branch that never runs, costs about a millisecond per call).
     """
-    mine = fingerprint(params)
-    same = comm.agree(jnp.all(mine == comm.broadcast(mine, 0)), op="all")
-    return per_replica(ledger.record(CHECK_KIND, 1 + _host_verdict(same)), comm)
+    if not check_start:
+        return ledger
+
+    def first(led):
+        mine = fingerprint(params)
+        same = comm.agree(jnp.all(mine == comm.broadcast(mine, 0)), op="all")
+        return per_replica(led.record(CHECK_KIND, 1 + _host_verdict(same)), comm)
+
+    return jax.lax.cond(comm.uniform(step) == 0, first, lambda led: per_replica(led, comm), ledger)

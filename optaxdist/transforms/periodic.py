@@ -22,7 +22,6 @@ gives it. ``docs/architecture.md`` builds an algorithm on it in one file.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -287,51 +286,33 @@ def periodic(
         sync_state, ledger = state.sync_state, state.ledger
         if background is not None:  # before the switch, on state only: free to overlap
             sync_state, ledger = background(s, params, sync_state, ledger)
-        if warmup_steps:
-            updates, ledger = jax.lax.cond(
-                t < warmup_steps,
-                lambda g, led: (
-                    vary(comm.pmean(g, dtype=wire)),
-                    led.record(kind_name("all_reduce", params, wire)),
-                ),
-                lambda g, led: (vary(g), led),
-                updates,
-                ledger,
-            )
-        # the local step runs outside every conditional, as a plain optax step does: XLA fuses
-        # it with what follows, and a step that synchronizes nothing runs nothing else
-        u, inner_state = local_step(
-            inner,
-            updates,
-            state.inner_state,
-            params,
-            nonfinite=nonfinite,
-            uniform=comm.uniform,
-            vary=vary,
-            **extra,
-        )
-        treedef = jax.tree.structure(params)
 
-        def then(operand, sync: Sync | None = None, *, check: bool = False, first: bool = False):
-            """What follows the local step on one kind of update: the start check (``check``),
-            ``begin`` (``first``), then ``sync``. Without a synchronization, or when it leaves the
-            parameters alone, the update is the local step's."""
-            u, inner_state, sync_state, ledger, agreed = operand
-            if check:  # the comparison and its host callback exist in this branch only
-                ledger = check_identical_start(params, ledger, comm)
+        def local(operand, then: Sync | None = None, *, moves_params: bool = True):
+            """The local step, then ``then`` (a synchronization, or ``begin`` followed by one).
+            Without one, or when it leaves the parameters alone, the update is the local step's."""
+            grads, inner_state, sync_state, ledger, agreed = operand
+            # inside each branch, not before the switch: a conditional of its own that reads the
+            # parameters makes XLA copy donated parameters on every step
+            ledger = check_identical_start(check_start, params, t, ledger, comm)
+            u, inner_state = local_step(
+                inner,
+                grads,
+                inner_state,
+                params,
+                nonfinite=nonfinite,
+                uniform=comm.uniform,
+                vary=vary,
+                **extra,
+            )
+            treedef = jax.tree.structure(params)
             target, flags = params, [UNTOUCHED] * treedef.num_leaves
-            if first or sync is not None:
+            if then is not None:
                 local_params = optax.apply_updates(params, u)
-                x = SyncInput(t, params, u, local_params, inner_state, sync_state, ledger)
-                if first:
-                    x = begin(x)
-                if sync is not None:
-                    x = sync(x)
+                x = then(SyncInput(t, params, u, local_params, inner_state, sync_state, ledger))
                 inner_state, sync_state, ledger = x.inner_state, x.sync_state, x.ledger
-                # ``begin`` never moves the parameters, and a synchronization that returns
-                # ``local`` itself (it averaged optimizer state only) leaves the local step's
-                # update as it was, not ``(params + u) − params``
-                if sync is not None and x.local is not local_params:
+                # a synchronization that returns ``local`` itself (it averaged optimizer state
+                # only) leaves the local step's update as it was, not ``(params + u) − params``
+                if moves_params and x.local is not local_params:
                     u = jax.tree.map(lambda n, p: (n - p.astype(n.dtype)).astype(p.dtype), x.local, params)
                     # a leaf the synchronization returned as it got it is untouched (static)
                     before, after = jax.tree.leaves(local_params), jax.tree.leaves(x.local)
@@ -344,29 +325,30 @@ def periodic(
                 agreed = record_agreed(agreed, target, jax.tree.unflatten(treedef, flags), vary)
             return (*per_replica((u, inner_state, sync_state, ledger), comm), agreed)
 
-        # one switch over what follows the local step: a block of branches [nothing, syncs...]
-        # for ordinary updates, and the same block with the one-time work in front (the start
-        # check on update 0, ``begin`` on the first update after the warm-up) for those updates
-        scheduled = jnp.where(t < warmup_steps, 0, schedule(s, len(bodies)))
-        blocks = [(None, False, False)]  # (the updates it serves, check, first)
-        if check_start and begin is not None and not warmup_steps:
-            blocks.append((t == 0, True, True))
-        else:
-            if check_start:
-                blocks.append((t == 0, True, False))
-            if begin is not None:
-                blocks.append((t == warmup_steps, False, True))
-        branches, index = [], scheduled
-        for serves, check, first in blocks:
-            if serves is not None:
-                index = jnp.where(serves, len(branches) + scheduled, index)
-            branches += [functools.partial(then, sync=f, check=check, first=first) for f in (None, *bodies)]
+        def warm_up(operand):
+            grads, inner_state, sync_state, ledger, agreed = operand
+            grads = comm.pmean(grads, dtype=wire)
+            ledger = ledger.record(kind_name("all_reduce", params, wire))
+            return local((grads, inner_state, sync_state, ledger, agreed))
+
+        # one switch: [local step, syncs..., warm-up, begin then (nothing, syncs...)]
+        scheduled = schedule(s, len(bodies))
+        branches = [local, *(lambda op, f=f: local(op, f) for f in bodies)]
+        index = scheduled
+        if warmup_steps:
+            branches.append(warm_up)
+            index = jnp.where(t < warmup_steps, len(branches) - 1, index)
+        if begin is not None:
+            first = len(branches)
+            branches.append(lambda op: local(op, begin, moves_params=False))
+            branches += [lambda op, f=f: local(op, lambda x: f(begin(x))) for f in bodies]
+            index = jnp.where(t == warmup_steps, first + scheduled, index)
         out, inner_state, sync_state, ledger, agreed = jax.lax.switch(
-            index, branches, (u, inner_state, sync_state, ledger, state.agreed)
+            index, branches, (updates, state.inner_state, sync_state, ledger, state.agreed)
         )
         return out, PeriodicState(
             step=optax.safe_increment(t),
-            last_sync=scheduled.astype(jnp.int32),
+            last_sync=jnp.where(t < warmup_steps, 0, scheduled).astype(jnp.int32),
             inner_state=inner_state,
             sync_state=sync_state,
             ledger=ledger,
