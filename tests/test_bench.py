@@ -466,3 +466,11 @@ def test_merge_joins_rows_of_one_experiment_and_refuses_others(record, tmp_path,
     assert "config.lr: 0.05 vs 0.5" in capsys.readouterr().err
     assert main(["merge", paths[0], paths[0], "--out", str(out)]) == 2
     assert "'allreduce-fp32' is in both" in capsys.readouterr().err
+    other.write_text(json.dumps(dict(base, environment=dict(base["environment"], device_kind="H200"))))
+    assert main(["merge", paths[0], str(other), "--out", str(out)]) == 2
+    assert "environment.device_kind" in capsys.readouterr().err
+    other.write_text(json.dumps({k: v for k, v in base.items() if k != "dataset"}))
+    assert main(["merge", paths[0], str(other), "--out", str(out)]) == 2
+    assert "has no dataset" in capsys.readouterr().err
+    assert main(["merge", paths[0], "--out", str(tmp_path)]) == 2  # would overwrite run0.json
+    assert "would overwrite the input" in capsys.readouterr().err

@@ -139,6 +139,8 @@ def test_bad_settings_fail_at_construction():
         od.sparseloco(inner, comm=comm, error_decay=1.5)
     with pytest.raises(ValueError, match="outer_lr"):
         od.sparseloco(inner, comm=comm, outer_lr=0.0)
+    with pytest.raises(ValueError, match="outer=0.5 must be an optax.GradientTransformation"):
+        od.sparseloco(inner, comm=comm, outer=0.5)
     with pytest.raises(ValueError, match="outer_lr=0.5 is SGD's learning rate"):
         od.sparseloco(inner, comm=comm, outer_lr=0.5, outer=optax.sgd(0.5))
     with pytest.raises(ValueError, match="value_scale='max'"):

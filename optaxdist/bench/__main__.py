@@ -461,8 +461,12 @@ def _merge(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"optaxdist merge: error: {e}", file=sys.stderr)
         return 2
-    print(format_table(record))
     tag = args.tag or os.path.splitext(os.path.basename(args.records[0]))[0]
+    target = os.path.realpath(os.path.join(args.out, f"{tag}.json"))
+    if target in {os.path.realpath(p) for p in args.records}:
+        print(f"optaxdist merge: error: --out/--tag would overwrite the input {target}", file=sys.stderr)
+        return 2
+    print(format_table(record))
     paths = write_outputs(record, args.out, tag, plots=not args.no_plots)
     print("wrote " + ", ".join(paths), file=sys.stderr)
     return 0

@@ -4,8 +4,9 @@ Rows of one table are often run in separate processes (one per algorithm, side b
 another machine); each writes its own ``bench_<dataset>_<shards>.json``. Merging them is only
 meaningful when they ran the same experiment: same data (the dataset's name carries its content
 hash), model, configuration (all but the algorithm list and where it was written), cost model and
-platform (JAX version and backend: the same code gives other losses on another backend). A record
-that differs from the first in any of these is refused, naming the field and both values.
+platform (JAX and optax versions, backend and device kind: the same code gives other losses, and
+other measured times, elsewhere). A record that differs from the first in any of these is refused,
+naming the field and both values.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 # configuration fields that may differ between the runs of one table
 PER_RUN_CONFIG = ("algorithms", "out", "plots", "progress")
-PLATFORM = ("jax", "optax", "backend")
+PLATFORM = ("jax", "optax", "backend", "device_kind")
+REQUIRED = ("config", "dataset", "model", "cost_model", "results")
 
 
 def _differences(a: Any, b: Any, where: str) -> list[str]:
@@ -76,7 +78,11 @@ def load(paths: Sequence[str]) -> list[dict[str, Any]]:
     for path in paths:
         with open(path) as f:
             record = json.load(f)
-        if not isinstance(record, dict) or "results" not in record or "config" not in record:
-            raise ValueError(f"{path} is not a train record of optaxdist bench (no config/results)")
+        missing = [k for k in REQUIRED if k not in record] if isinstance(record, dict) else list(REQUIRED)
+        if missing:
+            raise ValueError(
+                f"{path} is not a train record of optaxdist bench (the train suite's JSON): it has no "
+                f"{', '.join(missing)}"
+            )
         records.append(record)
     return records

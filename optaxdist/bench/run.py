@@ -251,6 +251,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
         "cpu_count": os.cpu_count(),
     }
 

@@ -50,10 +50,16 @@ class Quantize(Compressor):
     \mathrm{fl}(1/m)`, and each value is :math:`f_i = \mathrm{fp8}(x_i \cdot \mathrm{fl}(1/s_b))`,
     clipped to :math:`[-m, m]` and rounded to the nearest 8-bit float (half to even), or
     stochastically to one of its two neighbours on the 8-bit grid (with probability by distance:
-    unbiased). One byte per value (its bit pattern), one float32 scale per block, as int8; the
-    relative error is at most :math:`2^{-4}` (e4m3) or :math:`2^{-3}` (e5m2) of the value (half
-    an ulp; below the smallest normal, half the subnormal spacing times the scale) instead of
-    int8's :math:`s_b/2` absolute: better for blocks of mixed magnitudes, worse for uniform ones.
+    unbiased). One byte per value (its bit pattern), one float32 scale per block, as int8. For a
+    value whose scaled magnitude is a normal 8-bit float, the relative error is at most half an
+    ulp with ``"nearest"``, :math:`2^{-4}` (e4m3) or :math:`2^{-3}` (e5m2), and below one ulp with
+    ``"stochastic"``; below the smallest normal, the subnormal spacing times the scale bounds the
+    absolute error. Against int8's :math:`s_b/2` absolute: better for blocks of mixed magnitudes,
+    worse for uniform ones. Decoding :math:`f_i s_b` is bit-exact as long as nothing underflows:
+    for scales below about 1e-27 (e5m2) or 1e-29 (e4m3) the low product of the smallest values can
+    fall below float32's normals, which
+    XLA flushes to zero (an error of a float32 ulp), and a block whose largest magnitude is below
+    about 1e-36 (e4m3) or 1e-34 (e5m2) decodes to zeros (the reciprocal of its scale overflows).
     Ledger kind ``all_gather[e4m3/<block_size>]``. Both exchanges.
 
     Two exchanges (``exchange``):

@@ -126,6 +126,8 @@ def sparseloco(
             "of values per chunk)"
         )
     check_number("outer_lr", outer_lr, low=0.0, open_low=True)
+    if outer is not None and not (hasattr(outer, "init") and hasattr(outer, "update")):
+        raise ValueError(f"outer={outer!r} must be an optax.GradientTransformation or None")
     if outer is not None and outer_lr != 1.0:
         raise ValueError(f"outer_lr={outer_lr!r} is SGD's learning rate: with outer= given, set its own rate")
     values = None if value_bits is None else quantize(value_bits, block_size=k, scale=value_scale)
