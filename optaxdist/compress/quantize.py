@@ -57,9 +57,9 @@ class Quantize(Compressor):
     absolute error. Against int8's :math:`s_b/2` absolute: better for blocks of mixed magnitudes,
     worse for uniform ones. Decoding :math:`f_i s_b` is bit-exact as long as nothing underflows:
     for scales below about 1e-27 (e5m2) or 1e-29 (e4m3) the low product of the smallest values can
-    fall below float32's normals, which
-    XLA flushes to zero (an error of a float32 ulp), and a block whose largest magnitude is below
-    about 1e-36 (e4m3) or 1e-34 (e5m2) decodes to zeros (the reciprocal of its scale overflows).
+    fall below float32's normals, which XLA flushes to zero (an error of a float32 ulp), and a
+    block whose largest magnitude is below about 1e-36 (e4m3) or 1e-34 (e5m2) decodes to zeros
+    (the reciprocal of its scale overflows).
     Ledger kind ``all_gather[e4m3/<block_size>]``. Both exchanges.
 
     Two exchanges (``exchange``):
