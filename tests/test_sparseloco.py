@@ -139,8 +139,12 @@ def test_bad_settings_fail_at_construction():
         od.sparseloco(inner, comm=comm, error_decay=1.5)
     with pytest.raises(ValueError, match="outer_lr"):
         od.sparseloco(inner, comm=comm, outer_lr=0.0)
-    with pytest.raises(ValueError, match="outer=0.5 must be an optax.GradientTransformation"):
+    with pytest.raises(TypeError, match="outer must be an optax.GradientTransformation, got 0.5"):
         od.sparseloco(inner, comm=comm, outer=0.5)
+    with pytest.raises(TypeError, match="outer must be an optax.GradientTransformation, got 'nesterov'"):
+        od.diloco(inner, "nesterov", comm=comm, period=2)
+    with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation, got 0.1"):
+        od.local_sgd(0.1, comm=comm, period=2)
     with pytest.raises(ValueError, match="outer_lr=0.5 is SGD's learning rate"):
         od.sparseloco(inner, comm=comm, outer_lr=0.5, outer=optax.sgd(0.5))
     with pytest.raises(ValueError, match="value_scale='max'"):

@@ -62,6 +62,13 @@ def check_comm(name: str, comm: Any) -> Communicator:
     return comm
 
 
+def check_transformation(name: str, value: Any) -> Any:
+    """``TypeError`` unless ``value`` is an optax gradient transformation (``init`` and ``update``)."""
+    if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):
+        raise TypeError(f"{name} must be an optax.GradientTransformation, got {value!r}")
+    return value
+
+
 def check_int(name: str, value: Any, low: int = 0, high: int | None = None) -> int:
     """``value`` must be an int (not a bool) in ``[low, high)``."""
     if (

@@ -26,7 +26,14 @@ from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype, mean_after_sum, mean_before_sum
 from optaxdist.partition import Partition, balanced_fragments, resolve_partition
 from optaxdist.sharding import ModelSharding, map_subtrees, on_shards, same_layout
-from optaxdist.transforms._checks import check_bools, check_comm, check_float_leaves, check_int, check_number
+from optaxdist.transforms._checks import (
+    check_bools,
+    check_comm,
+    check_float_leaves,
+    check_int,
+    check_number,
+    check_transformation,
+)
 from optaxdist.transforms.periodic import SyncInput, periodic
 
 FlightKey = tuple[jnp.dtype, "jnp.dtype | None"]  # overlap's buffers: (anchor dtype, wire dtype)
@@ -298,7 +305,7 @@ def outer_sync(
     anchor_floor = None if anchor_dtype is None else jnp.dtype(anchor_dtype)
     if anchor_floor is not None and not jnp.issubdtype(anchor_floor, jnp.floating):
         raise ValueError(f"anchor_dtype={anchor_dtype!r} must be None or a floating-point dtype")
-    outer = outer if outer is not None else diloco_outer_optimizer()
+    outer = check_transformation("outer", outer) if outer is not None else diloco_outer_optimizer()
     wire = canonical_comm_dtype(dtype)
     outer = optax.with_extra_args_support(outer)
     reducer = optax.with_extra_args_support(reducer) if reducer is not None else None

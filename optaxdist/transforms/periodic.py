@@ -35,6 +35,7 @@ from optaxdist.transforms._checks import (
     check_bools,
     check_comm,
     check_nonfinite,
+    check_transformation,
     check_warmup_steps,
     find_states,
     local_step,
@@ -247,6 +248,7 @@ def periodic(
     ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
     step, on every harness.
     """
+    check_transformation("inner", inner)
     check_warmup_steps(warmup_steps)
     check_comm("comm", comm)
     check_nonfinite(nonfinite)

@@ -12,7 +12,7 @@ from optaxdist.comm.base import Communicator
 from optaxdist.compress.chunked import chunked_top_k
 from optaxdist.compress.quantize import quantize
 from optaxdist.sharding import ModelSharding
-from optaxdist.transforms._checks import check_int, check_number
+from optaxdist.transforms._checks import check_int, check_number, check_transformation
 from optaxdist.transforms.compressed import compressed_allreduce
 from optaxdist.transforms.outer import outer_sync
 
@@ -126,8 +126,8 @@ def sparseloco(
             "of values per chunk)"
         )
     check_number("outer_lr", outer_lr, low=0.0, open_low=True)
-    if outer is not None and not (hasattr(outer, "init") and hasattr(outer, "update")):
-        raise ValueError(f"outer={outer!r} must be an optax.GradientTransformation or None")
+    if outer is not None:
+        check_transformation("outer", outer)
     if outer is not None and outer_lr != 1.0:
         raise ValueError(f"outer_lr={outer_lr!r} is SGD's learning rate: with outer= given, set its own rate")
     values = None if value_bits is None else quantize(value_bits, block_size=k, scale=value_scale)
