@@ -26,7 +26,6 @@ ALL = {
     "int4_stochastic": compress.quantize(4, block_size=6, rounding="stochastic"),
     "int2": compress.quantize(2, block_size=8),
     "e4m3": compress.quantize(8, block_size=4, format="e4m3"),
-    "e5m2_stochastic": compress.quantize(8, block_size=6, format="e5m2", rounding="stochastic"),
     "chunked_top_k": compress.chunked_top_k(8, 2),
     "int4_chunked_top_k": compress.chunked_top_k(16, 4, values=compress.quantize(4, block_size=2)),
     "e4m3_chunked_top_k": compress.chunked_top_k(
