@@ -356,6 +356,28 @@ def test_charlm_short_run(tmp_path):
     assert dl["curve"]["test_loss"][-1] < dl["curve"]["test_loss"][0]
 
 
+def test_charlm_transformer_size(capsys):
+    from optaxdist.bench.run import BenchConfig, make_model
+
+    data = load_dataset("charlm", seed=0)
+    cfg = BenchConfig(dataset="charlm", transformer=(32, 3, 2), algorithms=("allreduce-fp32",), out=None)
+    model = make_model(cfg, data)
+    params = model.init(jax.random.key(0), data.x_train[:1])
+    d, layers, vocab, window = 32, 3, data.num_classes, data.x_train.shape[1]
+    block = 2 * (2 * d) + 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)  # 2 norms, attention, MLP
+    want = vocab * d + window * d + layers * block + 2 * d + d * vocab + vocab
+    assert sum(x.size for x in jax.tree.leaves(params)) == want
+    for bad, message in (
+        ("32,3", "three ints"),
+        ("32,3,5", "heads must divide the width"),
+        ("0,1,1", "positive"),
+    ):
+        assert main(["bench", "--dataset", "charlm", "--transformer", bad, "--out", ""]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["bench", "--transformer", "32,3,2", "--out", ""]) == 2
+    assert "applies to dataset='charlm' only" in capsys.readouterr().err
+
+
 def test_overhead_local_steps_rows(tmp_path, capsys):
     """The local-steps rows of the overhead suite at a tiny size: record structure, and the exact
     state bytes per parameter byte (never timings)."""

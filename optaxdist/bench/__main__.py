@@ -78,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo rows: outer momentum")
     b.add_argument("--hidden", default="128,128", help="MLP hidden widths")
     b.add_argument(
+        "--transformer",
+        default=None,
+        help="charlm: the transformer's width, layers and heads, e.g. 256,4,8 (default: 64,2,4, "
+        "117k parameters)",
+    )
+    b.add_argument(
         "--algorithms",
         default=None,
         # argparse %-formats help strings: names such as "topk-1%" need escaping
@@ -527,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _write_json(args, f"overhead_{args.backend}.json", record)
         return 0
 
-    from optaxdist.bench.run import BenchConfig, parse_hidden, run_bench
+    from optaxdist.bench.run import BenchConfig, parse_hidden, parse_transformer, run_bench
 
     try:
         cfg = BenchConfig(
@@ -543,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             outer_lr=args.outer_lr,
             outer_momentum=args.outer_momentum,
             hidden=parse_hidden(args.hidden),
+            transformer=parse_transformer(args.transformer),
             param_dtype=args.param_dtype,
             algorithms=expand_names(args.algorithms or ",".join(DEFAULT_ALGORITHMS)),
             network=args.network,

@@ -42,6 +42,7 @@ from optaxdist.bench.models import MLP, accuracy, cross_entropy
 
 FP32_REFERENCE = "allreduce-fp32"
 PARAM_DTYPES = ("float32", "bfloat16")
+CHARLM_TRANSFORMER = (64, 2, 4)  # width, layers, heads of the char-LM tables' 117k-parameter model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,7 @@ class BenchConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     hidden: tuple[int, ...] = (128, 128)
+    transformer: tuple[int, int, int] | None = None  # charlm: (width, layers, heads); None: (64, 2, 4)
     param_dtype: str = "float32"
     algorithms: tuple[str, ...] = DEFAULT_ALGORITHMS
     network: str = "10GbE"
@@ -91,6 +93,20 @@ class BenchConfig:
             raise ValueError(f"outer_momentum={self.outer_momentum!r} must be in [0, 1)")
         cost.get_network(self.network)
         get_algorithms(list(self.algorithms))
+        if self.transformer is not None:
+            if self.dataset != "charlm":
+                raise ValueError(f"transformer={self.transformer} applies to dataset='charlm' only")
+            width, layers, heads = self.transformer
+            if min(self.transformer) < 1 or width % heads:
+                raise ValueError(
+                    f"transformer={self.transformer}: width, layers and heads must be positive and the "
+                    "heads must divide the width"
+                )
+
+    @property
+    def transformer_shape(self) -> tuple[int, int, int]:
+        """The charlm transformer's (width, layers, heads)."""
+        return self.transformer or CHARLM_TRANSFORMER
 
     @property
     def num_nodes(self) -> int:
@@ -237,7 +253,10 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
 def make_model(cfg: BenchConfig, data: Dataset) -> Any:
     """The MLP classifier, or the character transformer for ``charlm`` (token windows)."""
     if data.x_train.ndim == 2 and jnp.issubdtype(data.x_train.dtype, jnp.integer):
-        return CharTransformer(data.num_classes, seq_len=data.x_train.shape[1])
+        width, layers, heads = cfg.transformer_shape
+        return CharTransformer(
+            data.num_classes, seq_len=data.x_train.shape[1], d_model=width, layers=layers, heads=heads
+        )
     return MLP(cfg.hidden, data.num_classes)
 
 
@@ -292,7 +311,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         },
         "model": {
             "kind": type(model).__name__,
-            "hidden": list(cfg.hidden),
+            **(
+                {"width_layers_heads": list(cfg.transformer_shape)}
+                if isinstance(model, CharTransformer)
+                else {"hidden": list(cfg.hidden)}
+            ),
             "parameters": n_params,
             "param_bytes_fp32": payload_bytes(params0, jnp.float32),
             "param_dtype": cfg.param_dtype,
@@ -374,6 +397,17 @@ def format_table(record: dict[str, Any]) -> str:
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(r) for r in rows)])
+
+
+def parse_transformer(text: str | None) -> tuple[int, int, int] | None:
+    """``"256,4,8"`` → ``(256, 4, 8)`` (width, layers, heads); None stays None."""
+    if text is None:
+        return None
+    try:
+        width, layers, heads = (int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"--transformer {text!r} must be three ints: width,layers,heads") from None
+    return width, layers, heads
 
 
 def parse_hidden(text: str) -> tuple[int, ...]:
