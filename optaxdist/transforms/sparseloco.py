@@ -128,8 +128,10 @@ def sparseloco(
     check_number("outer_lr", outer_lr, low=0.0, open_low=True)
     if outer is not None:
         check_transformation("outer", outer)
-    if outer is not None and outer_lr != 1.0:
-        raise ValueError(f"outer_lr={outer_lr!r} is SGD's learning rate: with outer= given, set its own rate")
+        if outer_lr != 1.0:
+            raise ValueError(
+                f"outer_lr={outer_lr!r} is SGD's learning rate: with outer= given, set its own rate"
+            )
     values = None if value_bits is None else quantize(value_bits, block_size=k, scale=value_scale)
     reducer = compressed_allreduce(
         chunked_top_k(chunk_size, k, values=values),
