@@ -132,7 +132,15 @@ def test_all_to_all_over_two_axes_is_one_flat_group():
 
 
 @pytest.mark.parametrize(
-    "bits, block_size, fmt", [(8, 64, "int"), (4, 16, "int"), (2, 8, "int"), (8, 64, "e4m3"), (8, 16, "e5m2")]
+    "bits, block_size, fmt",
+    # e5m2 shares e4m3's code path (the full run has it)
+    [
+        (8, 64, "int"),
+        (4, 16, "int"),
+        (2, 8, "int"),
+        (8, 64, "e4m3"),
+        pytest.param(8, 16, "e5m2", marks=pytest.mark.slow),
+    ],
 )
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["ef", "no_ef"])
 def test_two_phase_equals_numpy_model_bit_for_bit(harness, bits, block_size, fmt, error_feedback):
