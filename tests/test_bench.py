@@ -417,6 +417,9 @@ def test_overhead_local_steps_rows(tmp_path, capsys):
         assert r["local_ratio"] == r["local_ms"] / r["plain_ms"] > 0
         assert r["sync_ratio"] == r["sync_ms"] / r["hand_sync_ms"] > 0
         assert r["compile_s"] > 0
+        # the step holds at least its arguments: parameters, gradients and the state, all replicas
+        assert r["step_bytes"] >= 8 * (2 * param_bytes + r["state_bytes"])
+        assert r["step_bytes"] > r["plain_step_bytes"] >= 8 * 3 * param_bytes  # plain: one trace
     # momentum SGD keeps one trace; local SGD and gossip add the exact_sync copy of the parameters;
     # DiLoCo adds the anchor (which is also what exact_sync reads) and the outer Nesterov momentum
     assert rows["local_sgd"]["buffer_bytes_per_param_byte"] == 2.0

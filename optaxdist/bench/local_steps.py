@@ -504,6 +504,8 @@ def measure_case(
         "buffer_bytes_per_param_byte": (total - fixed) / inputs.param_bytes,
         "temp_bytes": _temp_bytes(compiled),
         "plain_temp_bytes": _temp_bytes(plain_compiled),
+        "step_bytes": step_bytes(compiled),
+        "plain_step_bytes": step_bytes(plain_compiled),
         "peak_bytes_in_use": peak_bytes_in_use(),
         "samples_s": samples,
         "hlo": _hlo_extra(compiled, hand_compiled),
@@ -540,6 +542,18 @@ def _temp_bytes(compiled: Any) -> int | None:
     """Scratch memory of a compiled program (XLA's memory analysis), where the backend reports it."""
     try:
         return int(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 (not every backend or version has it)
+        return None
+
+
+def step_bytes(compiled: Any) -> int | None:
+    """Device memory one call of a compiled step holds at once, at most (XLA's memory analysis,
+    every backend): its arguments, its results that do not reuse a donated argument's buffer, and
+    its scratch. Per device on a mesh; all replicas under ``simulate``."""
+    try:
+        m = compiled.memory_analysis()
+        outputs = m.output_size_in_bytes - m.alias_size_in_bytes
+        return int(m.argument_size_in_bytes + outputs + m.temp_size_in_bytes)
     except Exception:  # noqa: BLE001 (not every backend or version has it)
         return None
 
@@ -677,8 +691,8 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
     out += [
         "| transform | harness | replicas | parameters | local ms | plain ms | local / plain | "
         "hand local ms | local / hand | sync ms | hand sync ms | sync / hand | compile s | "
-        "state B / param B | peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "state B / param B | step MB / plain MB | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in section["results"]:
         shape = "×".join(map(str, r["shape"]))
@@ -688,7 +702,8 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
             f"{r['local_ms']:.3f} | {r['plain_ms']:.3f} | {r['local_ratio']:.2f} | "
             f"{r['hand_local_ms']:.3f} | {r['local_hand_ratio']:.2f} | {r['sync_ms']:.3f} | "
             f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {r['compile_s']:.2f} | "
-            f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('peak_bytes_in_use'))} |"
+            f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('step_bytes'))} / "
+            f"{_mb(r.get('plain_step_bytes'))} | {_mb(r.get('peak_bytes_in_use'))} |"
         )
     out += [
         "",
