@@ -538,24 +538,29 @@ def _time_donated(
     return samples
 
 
-def _temp_bytes(compiled: Any) -> int | None:
-    """Scratch memory of a compiled program (XLA's memory analysis), where the backend reports it."""
+def _memory(compiled: Any) -> Any:
+    """XLA's memory analysis of a compiled program, or None where the backend has none."""
     try:
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        return compiled.memory_analysis()
     except Exception:  # noqa: BLE001 (not every backend or version has it)
         return None
+
+
+def _temp_bytes(compiled: Any) -> int | None:
+    """Scratch memory of a compiled program (XLA's memory analysis), where the backend reports it."""
+    m = _memory(compiled)
+    return None if m is None else int(m.temp_size_in_bytes)
 
 
 def step_bytes(compiled: Any) -> int | None:
     """Device memory one call of a compiled step holds at once, at most (XLA's memory analysis,
     every backend): its arguments, its results that do not reuse a donated argument's buffer, and
     its scratch. Per device on a mesh; all replicas under ``simulate``."""
-    try:
-        m = compiled.memory_analysis()
-        outputs = m.output_size_in_bytes - m.alias_size_in_bytes
-        return int(m.argument_size_in_bytes + outputs + m.temp_size_in_bytes)
-    except Exception:  # noqa: BLE001 (not every backend or version has it)
+    m = _memory(compiled)
+    if m is None:
         return None
+    outputs = m.output_size_in_bytes - m.alias_size_in_bytes
+    return int(m.argument_size_in_bytes + outputs + m.temp_size_in_bytes)
 
 
 def peak_bytes_in_use() -> int | None:

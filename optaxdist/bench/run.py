@@ -96,11 +96,11 @@ class BenchConfig:
         if self.transformer is not None:
             if self.dataset != "charlm":
                 raise ValueError(f"transformer={self.transformer} applies to dataset='charlm' only")
-            width, layers, heads = self.transformer
-            if min(self.transformer) < 1 or width % heads:
+            shape = tuple(self.transformer)
+            if len(shape) != 3 or min(shape) < 1 or shape[0] % shape[2]:
                 raise ValueError(
-                    f"transformer={self.transformer}: width, layers and heads must be positive and the "
-                    "heads must divide the width"
+                    f"transformer={self.transformer}: (width, layers, heads), positive, and the heads "
+                    "must divide the width"
                 )
 
     @property
