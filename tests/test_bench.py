@@ -499,3 +499,12 @@ def test_merge_joins_rows_of_one_experiment_and_refuses_others(record, tmp_path,
     assert "has no dataset" in capsys.readouterr().err
     assert main(["merge", paths[0], "--out", str(tmp_path)]) == 2  # would overwrite run0.json
     assert "would overwrite the input" in capsys.readouterr().err
+    other.write_text("not JSON")
+    assert main(["merge", paths[0], str(other), "--out", str(out)]) == 2
+    assert f"{other} is not a train record of optaxdist bench (not JSON" in capsys.readouterr().err
+    # --nodes spelled out as its default (one replica per node) is the same experiment
+    assert base["config"]["nodes"] is None
+    config = dict(base["config"], nodes=base["config"]["replicas"])
+    explicit = dict(base, results=base["results"][1:], config=config)
+    other.write_text(json.dumps(explicit))
+    assert main(["merge", paths[0], str(other), "--out", str(out)]) == 0

@@ -148,7 +148,8 @@ def test_block_dct_round_trip_and_scipys_2d_dct():
 
 def test_block_sides_are_the_references():
     # the largest divisor not above the chunk size; a side up to the chunk size is one block
-    assert [block_side(n, 64) for n in (1, 10, 64, 96, 128, 97, 50280, 4096)] == [
+    assert [block_side(n, 64) for n in (0, 1, 10, 64, 96, 128, 97, 50280, 4096)] == [
+        1,
         1,
         10,
         64,
@@ -235,6 +236,18 @@ def test_defaults_and_bytes():
     assert set(np.unique(np.abs(new["k"]))) <= {0.0, np.float32(1e-3)}
 
 
+def test_an_empty_leaf_sends_nothing():
+    harness = VmapHarness(2)
+    tx = od.demo(0.1, comm=harness.comm, chunk_size=4, k=2)
+    shapes = {"w": (2, 4), "none": (2, 0), "nil": (2, 0, 3)}
+    g = {name: np.ones(shape, np.float32) for name, shape in shapes.items()}
+    u, state = harness.run(lambda g: tx.update(g, tx.init(g)), g)
+    assert u["none"].shape == (2, 0) and u["nil"].shape == (2, 0, 3)
+    only_w = harness.run(lambda g: tx.update(g, tx.init(g)), {"w": g["w"]})
+    np.testing.assert_array_equal(u["w"], only_w[0]["w"])
+    assert od.comm_stats(state).by_kind == od.comm_stats(only_w[1]).by_kind
+
+
 def test_ledger_equals_compiled_all_gather():
     n = 4
     mesh = jax.make_mesh(
@@ -278,5 +291,9 @@ def test_bad_settings_fail_at_construction():
     ]:
         with pytest.raises(ValueError, match=match):
             od.demo(0.1, comm=comm, **kw)
+    for lr in (0.0, -0.1, float("nan")):
+        with pytest.raises(ValueError, match="learning_rate=.* must be > 0"):
+            od.demo(lr, comm=comm)
+    od.demo(optax.constant_schedule(0.1), comm=comm)  # a schedule is taken as it is
     with pytest.raises(TypeError, match="comm"):
         od.demo(0.1, comm="replica")

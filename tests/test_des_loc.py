@@ -227,3 +227,50 @@ def test_a_state_only_average_returns_the_local_steps_update():
     a, b = updates(state_only), updates(local)
     np.testing.assert_array_equal(a["w"], b["w"])
     assert not np.array_equal((params["w"] + b["w"]) - params["w"], b["w"])  # the rounding exists
+
+
+def test_an_overflowing_second_moment_skips_that_step_and_never_reaches_another_replica():
+    """A finite gradient of 1e20 overflows Adam's second moment (its square is beyond float32)
+    while the update stays finite (``mu / sqrt(inf) = 0``): the guard sees the state, skips that
+    replica's step, and no moment average carries an ``inf`` to the others."""
+    n, bad = 4, 2
+    tx = od.des_loc(adam(1e-2), comm=od.AxisComm("replica"), period=2, state_periods={"mu": 4, "nu": 4})
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return od.apply_updates(p, u, s), s
+
+    params = od.replicate(jnp.ones(3), n)
+    state = od.simulate(tx.init)(params)
+    run = od.simulate(step)
+    for t in range(8):
+        g = jnp.ones((n, 3)).at[bad, 0].set(1e20 if t == 1 else 1.0)
+        before = state
+        with jax.numpy_dtype_promotion("standard"):  # optax.adam's bias correction
+            params, state = run(params, state, g)
+        if t == 1:  # the poisoned replica kept its moments; the others took their step
+            for name in ("mu", "nu"):
+                now, then = getattr(state.inner_state[0], name), getattr(before.inner_state[0], name)
+                np.testing.assert_array_equal(now[bad], then[bad])
+                assert not np.array_equal(np.delete(now, bad, 0), np.delete(then, bad, 0))
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact))
+    assert np.isfinite(params).all() and (params[:, 0] < params[0, 0] + 1).all()
+    assert len(set(np.asarray(params[:, 0]).tolist())) == 1  # agreed at the last sync, still moving
+    assert params[0, 0] < 1 - 5 * 1e-2
+
+
+def test_a_scalar_kept_infinite_on_purpose_does_not_skip_every_step():
+    """``reduce_on_plateau`` starts from a best value of ``inf``: a state scalar, not checked, so
+    the local steps are taken (the guard checks the update and the state's arrays)."""
+    inner = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau())
+    tx = od.local_sgd(inner, comm=od.AxisComm("replica"), period=2)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p, value=jnp.sum(p))
+        return od.apply_updates(p, u, s), s
+
+    params = od.replicate(jnp.ones(3), 2)
+    state = od.simulate(tx.init)(params)
+    with jax.numpy_dtype_promotion("standard"):  # reduce_on_plateau's scale
+        params, state = od.simulate(step)(params, state, jnp.ones((2, 3)))
+    np.testing.assert_allclose(params, 0.9)

@@ -344,6 +344,9 @@ def test_bad_arguments():
         od.local_sgd(optax.sgd(0.1), comm=comm, period=6, local_period=2)
     with pytest.raises(ValueError, match="period="):
         od.diloco(optax.sgd(0.1), comm=comm, period=0)
+    for flag in ("no", 0, None):  # "no" is truthy: the check would silently stay on
+        with pytest.raises(ValueError, match=f"check_start={flag!r} must be a bool"):
+            od.diloco(optax.sgd(0.1), comm=comm, period=2, check_start=flag)
     for momentum in (-1.0, 1.0):
         with pytest.raises(ValueError, match=r"momentum=.* must be in \[0, 1\)"):
             od.slowmo(optax.sgd(0.1), comm=comm, period=4, learning_rate=0.1, momentum=momentum)

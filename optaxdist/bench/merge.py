@@ -33,6 +33,8 @@ def _differences(a: Any, b: Any, where: str) -> list[str]:
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
     """The parts of a record that must agree between the runs of one table."""
     config = {k: v for k, v in record["config"].items() if k not in PER_RUN_CONFIG}
+    if config.get("nodes") is None:  # the default, one replica per node, as --nodes spells it
+        config["nodes"] = config.get("replicas")
     platform = {k: record.get("environment", {}).get(k) for k in PLATFORM}
     return {
         "dataset": record["dataset"],
@@ -76,8 +78,11 @@ def load(paths: Sequence[str]) -> list[dict[str, Any]]:
     """The train records in ``paths`` (JSON files written by ``optaxdist bench --out``)."""
     records = []
     for path in paths:
-        with open(path) as f:
-            record = json.load(f)
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a train record of optaxdist bench (not JSON: {e})") from None
         missing = [k for k in REQUIRED if k not in record] if isinstance(record, dict) else list(REQUIRED)
         if missing:
             raise ValueError(

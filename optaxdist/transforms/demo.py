@@ -62,8 +62,9 @@ def dct_matrix(n: int) -> np.ndarray:
 def block_side(n: int, chunk_size: int) -> int:
     """The block length along an axis of ``n`` values: ``n`` itself when ``n ≤ chunk_size``, else
     the largest divisor of ``n`` not above ``chunk_size`` (the reference's choice: no padding; an
-    axis of prime length above ``chunk_size`` gets blocks of 1)."""
-    return max(d for d in range(1, min(n, chunk_size) + 1) if n % d == 0)
+    axis of prime length above ``chunk_size`` gets blocks of 1; an empty axis, blocks of 1 and
+    none of them)."""
+    return max((d for d in range(1, min(n, chunk_size) + 1) if n % d == 0), default=1)
 
 
 class _Leaf(NamedTuple):
@@ -205,6 +206,8 @@ def demo(
       Reference implementation: github.com/bloc97/DeMo ``demo.py``.
     """
     check_comm("comm", comm)
+    if not callable(learning_rate):
+        check_number("learning_rate", learning_rate, 0, open_low=True, open_high=True)
     check_number("momentum_decay", momentum_decay, 0.0, 1.0, open_high=True)
     check_int("chunk_size", chunk_size, 2)
     check_int("k", k, 1, chunk_size * chunk_size + 1)

@@ -228,10 +228,11 @@ def periodic(
         counts the parameters' bytes in it).
       check_start: on the first update, raise ``ValueError`` on every replica if their parameters
         differ (fingerprints compared: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``).
-      nonfinite: ``"skip"``: a local step whose update is not finite is not taken on this replica
-        (zero update, inner state kept, nothing sent: non-finite gradients never reach any
-        replica's state); it costs one ``isfinite`` pass over the update and a select of the update
-        and the inner state, fused into the step. ``"ignore"``: no check, no cost, for inner
+      nonfinite: ``"skip"``: a local step whose update or new inner state (its arrays) is not
+        finite is not taken on this replica (zero update, inner state kept, nothing sent:
+        non-finite values never reach any replica's state); it costs one reading pass over the
+        update and the inner state's arrays, and a select of both in a ``lax.cond`` taken only when
+        some replica is not finite (see ``local_step``). ``"ignore"``: no check, no cost, for inner
         optimizers that guard themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``).
       exact_sync: keep what each synchronization agreed on (``SyncInput.agreed``) in the state
         (``PeriodicState.agreed``: one copy of the parameters, and a flag per leaf), so that
@@ -252,7 +253,7 @@ def periodic(
     check_warmup_steps(warmup_steps)
     check_comm("comm", comm)
     check_nonfinite(nonfinite)
-    check_bools(exact_sync=exact_sync)
+    check_bools(check_start=check_start, exact_sync=exact_sync)
     if agreed_values not in ("copy", "anchors", "never"):
         raise ValueError(f"agreed_values={agreed_values!r} must be 'copy', 'anchors' or 'never'")
     wire = canonical_comm_dtype(dtype)
