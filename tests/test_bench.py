@@ -339,6 +339,27 @@ def test_charlm_windows():
     assert "".join(vocab[i] for i in data.x_train[0]) == text[:32]
 
 
+def test_pysrc_is_the_standard_librarys_source_without_tests():
+    from optaxdist.bench.charlm import OTHER, load_charlm, stdlib_source_text
+
+    text = stdlib_source_text()
+    assert len(text) > 5_000_000 and "def " in text and "import unittest" in text
+    assert set(text) <= {chr(c) for c in range(32, 127)} | {"\n", "\t", OTHER}
+    data = load_charlm(seq_len=32, corpus="pysrc")
+    assert data.name.startswith("pysrc[") and len(data.y_train) + len(data.y_test) == len(text) // 33
+    vocab = sorted(set(text))
+    assert "".join(vocab[i] for i in data.x_train[0]) == text[:32]
+
+
+def test_losses_are_measured_on_an_evenly_spaced_sample_of_a_large_set():
+    from optaxdist.bench.run import EVAL_LIMIT, evaluation_subset
+
+    np.testing.assert_array_equal(evaluation_subset(6439), np.arange(6439))  # charlm: every window
+    sample = evaluation_subset(167_797)
+    assert len(sample) == len(set(sample)) == EVAL_LIMIT and sample[0] == 0 and sample[-1] == 167_796
+    assert np.ptp(np.diff(sample)) <= 1
+
+
 @pytest.mark.slow  # 47 s, mostly compiling the transformer; the MLP rows above run the same harness
 def test_charlm_short_run(tmp_path):
     # optax's Adam bias correction raises a Python float to an int32 power: not strict-promotion clean.
@@ -375,7 +396,7 @@ def test_charlm_transformer_size(capsys):
         assert main(["bench", "--dataset", "charlm", "--transformer", bad, "--out", ""]) == 2
         assert message in capsys.readouterr().err
     assert main(["bench", "--transformer", "32,3,2", "--out", ""]) == 2
-    assert "applies to dataset='charlm' only" in capsys.readouterr().err
+    assert "applies to the text datasets ('charlm', 'pysrc') only" in capsys.readouterr().err
 
 
 def test_overhead_local_steps_rows(tmp_path, capsys):

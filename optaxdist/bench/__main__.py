@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--transformer",
         default=None,
-        help="charlm: the transformer's width, layers and heads, e.g. 256,4,8 (default: 64,2,4, "
+        help="charlm, pysrc: the transformer's width, layers and heads, e.g. 256,4,8 (default: 64,2,4, "
         "117k parameters)",
     )
     b.add_argument(

