@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 
@@ -39,6 +40,31 @@ def cross_entropy(model: nn.Module, params, x: jax.Array, y: jax.Array) -> jax.A
 def accuracy(model: nn.Module, params, x: jax.Array, y: jax.Array) -> jax.Array:
     """Fraction of ``x`` classified as ``y``."""
     return jnp.mean((jnp.argmax(logits_of(model, params, x), -1) == y).astype(jnp.float32))
+
+
+def evaluate_in_batches(
+    model: nn.Module, params, x: np.ndarray, y: np.ndarray, batch: int = 256
+) -> tuple[jax.Array, jax.Array]:
+    """``(cross_entropy, accuracy)`` of ``model`` on ``(x, y)``, ``batch`` examples at a time
+    (``lax.map``): the activations of one batch in memory, not of the whole set (a transformer on
+    8192 windows at once held gigabytes). The last batch is padded and its padding weighs 0."""
+    pad = -len(y) % batch
+
+    def batches(a):
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
+        return jnp.asarray(a.reshape(-1, batch, *a.shape[1:]))
+
+    def sums(xyw):
+        xb, yb, wb = xyw
+        logits = logits_of(model, params, xb)
+        w = jnp.broadcast_to(wb.reshape(wb.shape + (1,) * (yb.ndim - 1)), yb.shape)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb)
+        hits = (jnp.argmax(logits, -1) == yb).astype(jnp.float32)
+        return jnp.sum(loss * w), jnp.sum(hits * w), jnp.sum(w)
+
+    weights = np.ones(len(y), np.float32)  # the padding batches() adds weighs 0
+    loss, hits, count = (jnp.sum(s) for s in jax.lax.map(sums, (batches(x), batches(y), batches(weights))))
+    return loss / count, hits / count
 
 
 def init_params(model: nn.Module, num_features: int, seed: int = 0):

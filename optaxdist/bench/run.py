@@ -39,7 +39,7 @@ from optaxdist.bench.algorithms import (
 )
 from optaxdist.bench.charlm import CharTransformer
 from optaxdist.bench.data import TEXT_DATASETS, Dataset, load_dataset, make_shards
-from optaxdist.bench.models import MLP, accuracy, cross_entropy
+from optaxdist.bench.models import MLP, cross_entropy, evaluate_in_batches
 
 FP32_REFERENCE = "allreduce-fp32"
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -172,13 +172,8 @@ def run_algorithm(cfg: BenchConfig, data: Dataset, algo: Algorithm, params0: Any
     @jax.jit
     def evaluate(params):
         p0 = jax.tree.map(lambda a: a[0], params)
-        xtr, ytr = jnp.asarray(data.x_train[train_eval]), jnp.asarray(data.y_train[train_eval])
-        xte, yte = jnp.asarray(data.x_test[test_eval]), jnp.asarray(data.y_test[test_eval])
-        return (
-            cross_entropy(model, p0, xtr, ytr),
-            cross_entropy(model, p0, xte, yte),
-            accuracy(model, p0, xte, yte),
-        )
+        train_loss, _ = evaluate_in_batches(model, p0, data.x_train[train_eval], data.y_train[train_eval])
+        return (train_loss, *evaluate_in_batches(model, p0, data.x_test[test_eval], data.y_test[test_eval]))
 
     params = optaxdist.replicate(params0, n)
     # init where the replica axes are bound, as the steps run: a transform may need the group size
@@ -263,7 +258,7 @@ def evaluation_subset(n: int, limit: int = EVAL_LIMIT) -> np.ndarray:
 
 
 def make_model(cfg: BenchConfig, data: Dataset) -> Any:
-    """The MLP classifier, or the character transformer for ``charlm`` (token windows)."""
+    """The MLP classifier, or the character transformer for the text datasets (token windows)."""
     if data.x_train.ndim == 2 and jnp.issubdtype(data.x_train.dtype, jnp.integer):
         width, layers, heads = cfg.transformer_shape
         return CharTransformer(
