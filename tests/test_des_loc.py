@@ -260,10 +260,11 @@ def test_an_overflowing_second_moment_skips_that_step_and_never_reaches_another_
 
 
 def test_a_scalar_kept_infinite_on_purpose_does_not_skip_every_step():
-    """``reduce_on_plateau`` starts from a best value of ``inf``: a state scalar, not checked, so
-    the local steps are taken (the guard checks the update and the state's arrays)."""
-    inner = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau())
-    tx = od.local_sgd(inner, comm=od.AxisComm("replica"), period=2)
+    """``reduce_on_plateau`` keeps a best value of ``inf`` until its first 3 losses are in: a state
+    scalar, which the guard does not check (with the state averaged it checks the update and the
+    state's arrays), so the local steps are taken."""
+    inner = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(accumulation_size=3))
+    tx = od.local_sgd(inner, comm=od.AxisComm("replica"), period=2, average_inner_state=True)
 
     def step(p, s, g):
         u, s = tx.update(g, s, p, value=jnp.sum(p))

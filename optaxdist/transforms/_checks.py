@@ -141,24 +141,26 @@ def local_step(
     nonfinite: str,
     uniform: Callable[[Any], Any],
     vary: Callable[[Any], Any],
+    check_state: bool = False,
     **extra,
 ) -> tuple[optax.Updates, optax.OptState]:
     """``inner.update`` on this replica, under a non-finite policy (``nonfinite=``):
 
-    * ``"skip"`` (the default of every local-step transform): when the inner update or an array
-      of the new inner state has a non-finite element (as when a plain optimizer is given a
-      non-finite gradient, or when a finite but huge gradient overflows Adam's second moment
-      while the update stays finite), no step at all on this replica: zero updates,
-      ``inner_state`` kept. The decision is local: nothing is sent, and since the non-finite
-      values never enter this replica's parameters or state, no later average (of parameters, or
-      of moments: DES-LOC, ``average_inner_state``) carries them to another replica. Scalars of
-      the state are not checked: an inner optimizer may keep a non-finite one on purpose
-      (``optax.contrib.reduce_on_plateau``'s initial best value, ``inf``), and one that handles
-      non-finite gradients itself (``dynamic_loss_scale``: zero updates, scale backed off) keeps
-      its new state. Ledgers in the inner state keep counting (an inner collective that ran still
-      sent its bytes). Cost: one reading pass over the update and the state's arrays (a sum per
-      leaf, see ``all_finite``); the select of the update and the inner state runs in a
-      ``lax.cond`` only on a step where some replica's update or state is not finite.
+    * ``"skip"`` (the default of every local-step transform): when the inner update has a
+      non-finite element (as it does when a plain optimizer is given a non-finite gradient), no
+      step at all on this replica: zero updates, ``inner_state`` kept. The decision is local:
+      nothing is sent, and since the non-finite values never enter this replica's parameters or
+      state, no later average carries them to another replica. With ``check_state`` (transforms
+      that average the inner state: DES-LOC, ``average_inner_state``) the arrays of the new state
+      are checked too: a finite but huge gradient can overflow Adam's second moment while the
+      update stays finite (``mu / sqrt(inf) = 0``), and the next moment average would carry the
+      ``inf`` to every replica. Scalars of the state are not checked (an inner optimizer may keep
+      a non-finite one on purpose: ``optax.contrib.reduce_on_plateau``'s best value), and an inner
+      that handles non-finite gradients itself (``dynamic_loss_scale``: zero updates, scale
+      backed off) keeps its new state. Ledgers in the inner state keep counting (an inner
+      collective that ran still sent its bytes). Cost: one reading pass over the update (and the
+      state's arrays; a sum per leaf, see ``all_finite``); the select of the update and the inner
+      state runs in a ``lax.cond`` only on a step where some replica is not finite.
     * ``"ignore"``: ``inner.update`` as it is, at no cost: for inner optimizers that guard
       themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``) or runs that accept that a
       non-finite gradient poisons the average.
@@ -170,7 +172,8 @@ def local_step(
     new_updates, new_state = inner.update(updates, inner_state, params, **extra)
     if nonfinite == "ignore":
         return new_updates, new_state
-    ok = all_finite((new_updates, [x for x in jax.tree.leaves(new_state) if jnp.ndim(x)]))
+    checked = [x for x in jax.tree.leaves(new_state) if jnp.ndim(x)] if check_state else []
+    ok = all_finite((new_updates, checked))
 
     def skip_where_not_finite(_):
         skipped = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)

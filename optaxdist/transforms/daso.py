@@ -367,7 +367,7 @@ def daso(
       heat_quirks: reproduce Heat's code where it departs from its documentation
         (``HeatQuirks.all()``, or single quirks; see ``HeatQuirks``). An explicit ``first_cycle``
         wins over the ``first_cycle`` quirk.
-      nonfinite: a local step whose update or new inner state is not finite is skipped
+      nonfinite: a local step whose update is not finite is skipped
         (``"skip"``, the default: zero update, inner state kept; the local step follows the node's
         gradient average, so one bad gradient makes its node skip) or applied as it is
         (``"ignore"``, no cost).

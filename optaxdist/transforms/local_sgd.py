@@ -171,6 +171,7 @@ def local_sgd(
         check_start=check_start,
         nonfinite=nonfinite,
         exact_sync=exact_sync,
+        averages_inner_state=average_inner_state,
     )
 
 

@@ -194,6 +194,7 @@ def periodic(
     nonfinite: str = "skip",
     exact_sync: bool = True,
     agreed_values: str = "copy",
+    averages_inner_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Local steps of ``inner``; after the local step of update ``t``, synchronization
     ``syncs[k − 1]`` where ``k = schedule(t − warmup_steps, len(syncs)) ≥ 1``.
@@ -228,11 +229,12 @@ def periodic(
         counts the parameters' bytes in it).
       check_start: on the first update, raise ``ValueError`` on every replica if their parameters
         differ (fingerprints compared: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``).
-      nonfinite: ``"skip"``: a local step whose update or new inner state (its arrays) is not
-        finite is not taken on this replica (zero update, inner state kept, nothing sent:
-        non-finite values never reach any replica's state); it costs one reading pass over the
-        update and the inner state's arrays, and a select of both in a ``lax.cond`` taken only when
-        some replica is not finite (see ``local_step``). ``"ignore"``: no check, no cost, for inner
+      nonfinite: ``"skip"``: a local step whose update is not finite (with
+        ``averages_inner_state``, or whose new inner state's arrays are not) is not taken on this
+        replica (zero update, inner state kept, nothing sent: non-finite values never reach any
+        replica's state); it costs one reading pass over what it checks, and a select of the update
+        and the state in a ``lax.cond`` taken only when some replica is not finite (see
+        ``local_step``). ``"ignore"``: no check, no cost, for inner
         optimizers that guard themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``).
       exact_sync: keep what each synchronization agreed on (``SyncInput.agreed``) in the state
         (``PeriodicState.agreed``: one copy of the parameters, and a flag per leaf), so that
@@ -244,6 +246,10 @@ def periodic(
         ``anchor_params(like)``: DiLoCo's anchors; flags only) or ``"never"`` (the
         synchronizations never agree, e.g. gossip without a global average: flags only, which
         still tell ``sync_params`` which leaves a synchronization changed).
+      averages_inner_state: the synchronizations average the inner optimizer's state (DES-LOC,
+        ``local_sgd(average_inner_state=True)``): ``nonfinite="skip"`` then also checks the new
+        state's arrays, so that a finite gradient that overflows a moment on one replica (Adam's
+        second moment, whose overflow leaves the update finite) is not averaged into every replica.
 
     The schedule's synchronizations, the warm-up and the first step after it are branches of one
     ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
@@ -253,7 +259,7 @@ def periodic(
     check_warmup_steps(warmup_steps)
     check_comm("comm", comm)
     check_nonfinite(nonfinite)
-    check_bools(check_start=check_start, exact_sync=exact_sync)
+    check_bools(check_start=check_start, exact_sync=exact_sync, averages_inner_state=averages_inner_state)
     if agreed_values not in ("copy", "anchors", "never"):
         raise ValueError(f"agreed_values={agreed_values!r} must be 'copy', 'anchors' or 'never'")
     wire = canonical_comm_dtype(dtype)
@@ -305,6 +311,7 @@ def periodic(
                 nonfinite=nonfinite,
                 uniform=comm.uniform,
                 vary=vary,
+                check_state=averages_inner_state,
                 **extra,
             )
             treedef = jax.tree.structure(params)
