@@ -275,3 +275,24 @@ def test_a_scalar_kept_infinite_on_purpose_does_not_skip_every_step():
     with jax.numpy_dtype_promotion("standard"):  # reduce_on_plateau's scale
         params, state = od.simulate(step)(params, state, jnp.ones((2, 3)))
     np.testing.assert_allclose(params, 0.9)
+
+
+def test_an_overflowing_moment_of_a_scalar_parameter_is_caught_too():
+    """A scalar parameter's second moment is a scalar of the state: it counts when it turns
+    non-finite (``local_sgd(average_inner_state=True)`` averages it at the next sync)."""
+    n, bad = 4, 2
+    tx = od.local_sgd(adam(1e-2), comm=od.AxisComm("replica"), period=2, average_inner_state=True)
+
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return od.apply_updates(p, u, s), s
+
+    params = od.replicate({"w": jnp.ones(3), "t": jnp.ones(())}, n)
+    state = od.simulate(tx.init)(params)
+    run = od.simulate(step)
+    for t in range(4):
+        g = {"w": jnp.ones((n, 3)), "t": jnp.ones(n).at[bad].set(1e20 if t == 1 else 1.0)}
+        with jax.numpy_dtype_promotion("standard"):  # optax.adam's bias correction
+            params, state = run(params, state, g)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.inexact))
+    assert len(set(np.asarray(params["t"]).tolist())) == 1 and params["t"][0] < 1 - 3e-2

@@ -33,8 +33,11 @@ def _differences(a: Any, b: Any, where: str) -> list[str]:
 def _comparable(record: dict[str, Any]) -> dict[str, Any]:
     """The parts of a record that must agree between the runs of one table."""
     config = {k: v for k, v in record["config"].items() if k not in PER_RUN_CONFIG}
-    if config.get("nodes") is None:  # the default, one replica per node, as --nodes spells it
+    # options left at their defaults compare equal to the same values spelled out
+    if config.get("nodes") is None:  # one replica per node
         config["nodes"] = config.get("replicas")
+    if config.get("transformer") is None:  # the model's shape is recorded either way
+        config["transformer"] = record["model"].get("width_layers_heads")
     platform = {k: record.get("environment", {}).get(k) for k in PLATFORM}
     return {
         "dataset": record["dataset"],

@@ -154,8 +154,11 @@ def local_step(
       that average the inner state: DES-LOC, ``average_inner_state``) the arrays of the new state
       are checked too: a finite but huge gradient can overflow Adam's second moment while the
       update stays finite (``mu / sqrt(inf) = 0``), and the next moment average would carry the
-      ``inf`` to every replica. Scalars of the state are not checked (an inner optimizer may keep
-      a non-finite one on purpose: ``optax.contrib.reduce_on_plateau``'s best value), and an inner
+      ``inf`` to every replica. A scalar of the state counts only when it turns non-finite on
+      this step (an inner optimizer may keep one non-finite on purpose:
+      ``optax.contrib.reduce_on_plateau``'s initial best value; a scalar parameter's moment is a
+      scalar too). Without ``check_state`` such an overflow stays in this replica's own state
+      (the moment's coordinate stops moving there) and no average carries it on. An inner
       that handles non-finite gradients itself (``dynamic_loss_scale``: zero updates, scale
       backed off) keeps its new state. Ledgers in the inner state keep counting (an inner
       collective that ran still sent its bytes). Cost: one reading pass over the update (and the
@@ -172,8 +175,17 @@ def local_step(
     new_updates, new_state = inner.update(updates, inner_state, params, **extra)
     if nonfinite == "ignore":
         return new_updates, new_state
-    checked = [x for x in jax.tree.leaves(new_state) if jnp.ndim(x)] if check_state else []
-    ok = all_finite((new_updates, checked))
+    ok = all_finite(new_updates)
+    if check_state:
+        pairs = [(n, o) for n, o in zip(jax.tree.leaves(new_state), jax.tree.leaves(inner_state))]
+        ok &= all_finite([n for n, _ in pairs if jnp.ndim(n)])
+        # a scalar may be non-finite on purpose: it counts only when it just became so
+        became = [
+            jnp.isfinite(o) & ~jnp.isfinite(n)
+            for n, o in pairs
+            if not jnp.ndim(n) and jnp.issubdtype(n.dtype, jnp.inexact)
+        ]
+        ok &= ~jnp.any(jnp.stack(became)) if became else True
 
     def skip_where_not_finite(_):
         skipped = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)

@@ -241,5 +241,5 @@ def des_loc(
         check_start=check_start,
         nonfinite=nonfinite,
         exact_sync=exact_sync,
-        averages_inner_state=True,
+        averages_inner_state=bool(state_periods),
     )

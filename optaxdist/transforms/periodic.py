@@ -230,12 +230,13 @@ def periodic(
       check_start: on the first update, raise ``ValueError`` on every replica if their parameters
         differ (fingerprints compared: ``4·leaves + 4`` bytes, ledger ``broadcast[start check]``).
       nonfinite: ``"skip"``: a local step whose update is not finite (with
-        ``averages_inner_state``, or whose new inner state's arrays are not) is not taken on this
-        replica (zero update, inner state kept, nothing sent: non-finite values never reach any
-        replica's state); it costs one reading pass over what it checks, and a select of the update
-        and the state in a ``lax.cond`` taken only when some replica is not finite (see
-        ``local_step``). ``"ignore"``: no check, no cost, for inner
-        optimizers that guard themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``).
+        ``averages_inner_state``, or whose new inner state is not) is not taken on this replica
+        (zero update, inner state kept, nothing sent: a non-finite gradient never reaches any
+        replica's state, and no average carries a non-finite value to another replica); it costs
+        one reading pass over what it checks, and a select of the update and the state in a
+        ``lax.cond`` taken only when some replica is not finite (see ``local_step``).
+        ``"ignore"``: no check, no cost, for inner optimizers that guard themselves
+        (``dynamic_loss_scale``, ``optax.apply_if_finite``).
       exact_sync: keep what each synchronization agreed on (``SyncInput.agreed``) in the state
         (``PeriodicState.agreed``: one copy of the parameters, and a flag per leaf), so that
         ``optaxdist.apply_updates`` / ``sync_params`` leave every replica holding exactly those
