@@ -542,3 +542,16 @@ def test_merge_joins_rows_of_one_experiment_and_refuses_others(record, tmp_path,
     explicit = dict(base, results=base["results"][1:], config=config)
     other.write_text(json.dumps(explicit))
     assert main(["merge", paths[0], str(other), "--out", str(out)]) == 0
+    # so is --transformer spelled as the model's shape (text datasets record it in the model)
+    from optaxdist.bench.merge import merge_records
+
+    text = dict(base, model=dict(base["model"], width_layers_heads=[64, 2, 4]))
+    spelled = dict(text, results=base["results"][1:], config=dict(base["config"], transformer=[64, 2, 4]))
+    assert len(merge_records([dict(text, results=base["results"][:1]), spelled])["results"]) == 2
+    with pytest.raises(ValueError, match="config.transformer"):
+        merge_records(
+            [
+                dict(text, results=base["results"][:1]),
+                dict(spelled, config=dict(base["config"], transformer=[32, 2, 4])),
+            ]
+        )
