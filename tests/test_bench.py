@@ -351,17 +351,24 @@ def test_pysrc_is_the_standard_librarys_source_without_tests():
     assert "".join(vocab[i] for i in data.x_train[0]) == text[:32]
 
 
-def test_evaluation_in_batches_is_the_whole_set_mean():
-    from optaxdist.bench.charlm import CharTransformer
+@pytest.mark.parametrize("labels", ["sequence", "class"])
+def test_evaluation_in_batches_is_the_whole_set_mean(labels):
+    import flax.linen as nn
+
     from optaxdist.bench.models import accuracy, cross_entropy, evaluate_in_batches
 
     rng = np.random.default_rng(0)
-    x, y = rng.integers(0, 11, (37, 8)).astype(np.int32), rng.integers(0, 11, (37, 8)).astype(np.int32)
-    model = CharTransformer(11, seq_len=8, d_model=8, layers=1, heads=2)
+    if labels == "sequence":  # token windows, a label per position
+        x, y = rng.integers(0, 11, (37, 8)).astype(np.int32), rng.integers(0, 11, (37, 8)).astype(np.int32)
+        model = nn.Sequential([nn.Embed(11, 4), nn.Dense(11)])
+    else:  # features, one label per example
+        x, y = rng.normal(size=(37, 5)).astype(np.float32), rng.integers(0, 11, 37).astype(np.int32)
+        model = nn.Dense(11)
     params = model.init(jax.random.key(0), x[:1])["params"]
     loss, acc = evaluate_in_batches(model, params, x, y, batch=16)  # 3 batches, the last padded
     np.testing.assert_allclose(loss, cross_entropy(model, params, x, y), rtol=1e-6)
     np.testing.assert_allclose(acc, accuracy(model, params, x, y), rtol=1e-6)
+    assert 0 < acc < 1
 
 
 def test_losses_are_measured_on_an_evenly_spaced_sample_of_a_large_set():
