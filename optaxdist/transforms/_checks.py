@@ -46,6 +46,19 @@ def all_finite(tree) -> jax.Array:
     return jnp.stack([jnp.isfinite(s) for s in sums]).all() if sums else jnp.asarray(True)
 
 
+def state_stays_finite(new_state, old_state) -> jax.Array:
+    """True iff every array of ``new_state`` is finite and no scalar turned non-finite (a scalar
+    may be non-finite on purpose, as ``reduce_on_plateau``'s initial best value, ``inf``)."""
+    pairs = list(zip(jax.tree.leaves(new_state), jax.tree.leaves(old_state)))
+    arrays_ok = all_finite([new for new, _ in pairs if jnp.ndim(new)])
+    became = [
+        jnp.isfinite(old) & ~jnp.isfinite(new)
+        for new, old in pairs
+        if not jnp.ndim(new) and jnp.issubdtype(new.dtype, jnp.inexact)
+    ]
+    return arrays_ok & ~jnp.any(jnp.stack(became)) if became else arrays_ok
+
+
 def check_float_leaves(tree, transform: str) -> None:
     """Raise ``ValueError`` naming the first leaf of ``tree`` that is not floating point."""
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
@@ -177,15 +190,7 @@ def local_step(
         return new_updates, new_state
     ok = all_finite(new_updates)
     if check_state:
-        pairs = [(n, o) for n, o in zip(jax.tree.leaves(new_state), jax.tree.leaves(inner_state))]
-        ok &= all_finite([n for n, _ in pairs if jnp.ndim(n)])
-        # a scalar may be non-finite on purpose: it counts only when it just became so
-        became = [
-            jnp.isfinite(o) & ~jnp.isfinite(n)
-            for n, o in pairs
-            if not jnp.ndim(n) and jnp.issubdtype(n.dtype, jnp.inexact)
-        ]
-        ok &= ~jnp.any(jnp.stack(became)) if became else True
+        ok &= state_stays_finite(new_state, inner_state)
 
     def skip_where_not_finite(_):
         skipped = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
