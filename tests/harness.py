@@ -23,6 +23,12 @@ class VmapHarness:
     def run(self, step: Callable[..., Any], *stacked: Any) -> Any:
         return jax.tree.map(np.asarray, od.simulate(step)(*stacked))
 
+    def run_loop(self, step: Callable[..., Any], carry: tuple, xs: list, **options: Any) -> tuple[Any, Any]:
+        """``carry = step(*carry, x)`` for each ``x`` of ``xs``, one compiled call each (a training
+        loop); ``options`` go to the harness. Returns the last carry (stacked NumPy) and the
+        compiled step."""
+        return _loop(od.simulate(step, **options), carry, xs)
+
 
 class MeshHarness:
     name = "mesh"
@@ -42,6 +48,9 @@ class MeshHarness:
     def run(self, step: Callable[..., Any], *stacked: Any) -> Any:
         return jax.tree.map(np.asarray, od.on_mesh(step, self.mesh)(*stacked))
 
+    def run_loop(self, step: Callable[..., Any], carry: tuple, xs: list, **options: Any) -> tuple[Any, Any]:
+        return _loop(od.on_mesh(step, self.mesh, **options), carry, xs)
+
 
 class MpiHarness:
     """One replica per MPI process: each runs its own row, then the rows are gathered (host side,
@@ -59,6 +68,13 @@ class MpiHarness:
         out = jax.tree.map(np.asarray, od.on_mpi(step)(*rows))
         gathered = self.comm.comm.allgather(out)
         return jax.tree.map(lambda *xs: np.stack(xs), *gathered)
+
+    def run_loop(self, step: Callable[..., Any], carry: tuple, xs: list, **options: Any) -> tuple[Any, Any]:
+        rank = self.comm.rank
+        row = lambda tree: jax.tree.map(lambda x: np.asarray(x)[rank], tree)  # noqa: E731
+        out, compiled = _loop(od.on_mpi(step, **options), row(carry), [row(x) for x in xs])
+        gathered = self.comm.comm.allgather(out)
+        return jax.tree.map(lambda *xs: np.stack(xs), *gathered), compiled
 
 
 class NodeHarness:
@@ -83,3 +99,16 @@ class NodeHarness:
         out = jax.tree.map(np.asarray, od.on_node(step, self.hierarchy)(*rows))
         gathered = self._mpi.allgather(out)
         return jax.tree.map(lambda *xs: np.concatenate(xs), *gathered)
+
+    def run_loop(self, step: Callable[..., Any], carry: tuple, xs: list, **options: Any) -> tuple[Any, Any]:
+        g, node = self.hierarchy.local_size, self._mpi.Get_rank()
+        rows = lambda tree: jax.tree.map(lambda x: np.asarray(x)[node * g : (node + 1) * g], tree)  # noqa: E731
+        out, compiled = _loop(od.on_node(step, self.hierarchy, **options), rows(carry), [rows(x) for x in xs])
+        gathered = self._mpi.allgather(out)
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *gathered), compiled
+
+
+def _loop(compiled: Callable[..., Any], carry: tuple, xs: list) -> tuple[Any, Any]:
+    for x in xs:
+        carry = compiled(*carry, x)
+    return jax.tree.map(np.asarray, carry), compiled

@@ -469,3 +469,26 @@ def test_bfloat16_parameters_get_float32_anchors(sharded):
     assert np.all(np.asarray(a32) < 0.995)  # ten outer steps of about 8e-4 each
     assert p32.dtype == jnp.bfloat16 and float(p32[0, 0]) < 1.0
     assert od.comm_stats(s32).by_kind == od.comm_stats(s16).by_kind
+
+
+def test_split_local_steps_computes_the_same(harness):
+    """``split_local_steps=True`` on every harness (MPI and one process per node included): the
+    local program runs on the local steps and every number is the same as without it (momentum
+    SGD at learning rates that are powers of two: no product rounds, see test_split_local_steps)."""
+    tx = od.diloco(optax.sgd(0.125, momentum=0.5), comm=harness.comm, period=3, warmup_steps=1)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return od.apply_updates(params, updates, state), state
+
+    params = od.replicate({"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}, harness.n)
+    state = harness.run(tx.init, params)
+    keys = jax.random.split(jax.random.key(1), 10)
+    grads = [{"w": jax.random.normal(k, (harness.n, 3, 4))} for k in keys]
+    expected, _ = harness.run_loop(step, (params, state), grads)
+    got, split = harness.run_loop(step, (params, state), grads, split_local_steps=True)
+    for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(b, a)
+    # warm-up at 0 (and the start check), anchors at 1, syncs at s = 2, 5, 8 (t = 3, 6, 9), and
+    # the first call (the general program is traced first)
+    assert split.local_calls == 10 - 1 - 1 - 3

@@ -25,7 +25,9 @@ from optaxdist.comm.base import Communicator
 from optaxdist.comm.cross import CrossComm, numbered_exchanges
 from optaxdist.comm.hierarchy import Hierarchy
 from optaxdist.parallel.multihost import host_allgather
+from optaxdist.parallel.split import SplitLocalSteps
 from optaxdist.sharding import map_subtrees
+from optaxdist.transforms._checks import check_bools
 
 PyTree = Any
 REPLICA_AXIS = "replica"
@@ -74,6 +76,7 @@ def simulate(
     shape: Sequence[int] | None = None,
     jit: bool = True,
     donate_argnums: int | Sequence[int] = (),
+    split_local_steps: bool = False,
 ) -> Callable[..., Any]:
     """N simulated replicas of ``step`` on one device: ``jax.vmap`` with a named axis.
 
@@ -86,10 +89,21 @@ def simulate(
       donate_argnums: arguments whose buffers the step may reuse for its results
         (``jax.jit``'s; with ``jit=True`` only): pass the parameters and the optimizer state of a
         training step, so that state a local step leaves unchanged is not copied.
+      split_local_steps: compile the steps on which every periodic transform of ``step`` (local
+        SGD, DiLoCo, SlowMo, Streaming DiLoCo, DES-LOC...) takes its local step only as a program
+        of their own, chosen on the host from the step counters (``SplitLocalSteps``): such a
+        step then costs what its inner optimizer's step costs, for a second compilation. Needs
+        ``jit=True``.
 
     Returns:
       A function of stacked arguments returning stacked results.
     """
+    check_bools(split_local_steps=split_local_steps)
+    if split_local_steps:
+        if not jit:
+            raise ValueError("split_local_steps=True needs jit=True (the host picks a compiled program)")
+        build = functools.partial(simulate, axis_name=axis_name, shape=shape, donate_argnums=donate_argnums)
+        return SplitLocalSteps(build, step)
     names = _names(axis_name)
     if len(names) > 1 and (shape is None or len(shape) != len(names)):
         raise ValueError(f"axis_name={names} needs shape= with one size per axis, got {shape}")
@@ -298,7 +312,8 @@ def on_mesh(
     axis_name: str | Sequence[str] | None = None,
     check_config: bool = True,
     donate_argnums: int | Sequence[int] = (),
-) -> AgreedStep:
+    split_local_steps: bool = False,
+) -> AgreedStep | SplitLocalSteps:
     """Run ``step`` with one replica per device of ``mesh``: ``jax.shard_map`` over stacked inputs.
 
     The leading axis of every argument is split over ``axis_name`` (default: all mesh axes,
@@ -317,8 +332,15 @@ def on_mesh(
     Each call raises ``ValueError`` if an argument's ``NamedSharding`` splits a dimension other
     than the leading one over a replica axis, or the leading one over replica and other axes
     together (``P(None, "replica")``, ``P(("replica", "model"), None)``).
-    ``donate_argnums`` is ``jax.jit``'s (see ``simulate``).
+    ``donate_argnums`` is ``jax.jit``'s and ``split_local_steps`` ``simulate``'s (every process
+    of a multi-host mesh must then pass the same states, as it must anyway).
     """
+    check_bools(split_local_steps=split_local_steps)
+    if split_local_steps:
+        build = functools.partial(
+            on_mesh, mesh=mesh, axis_name=axis_name, check_config=check_config, donate_argnums=donate_argnums
+        )
+        return SplitLocalSteps(build, step)
     names = _names(mesh.axis_names if axis_name is None else axis_name)
     missing = [a for a in names if a not in mesh.axis_names]
     if missing:
@@ -359,14 +381,20 @@ def on_mpi(
     comm: Any = None,
     check_config: bool = True,
     donate_argnums: int | Sequence[int] = (),
-) -> AgreedStep:
+    split_local_steps: bool = False,
+) -> AgreedStep | SplitLocalSteps:
     """Run ``step`` under MPI: one process per device, each calling it on its own (unstacked) data.
 
     This is ``jax.jit(step)`` whose first call checks, unless ``check_config=False``, that every
     process of ``comm`` (an ``MpiComm``; default: ``COMM_WORLD``) runs the same configuration
     (``AgreedStep``). Launch with ``mpirun -n N python script.py`` and build the step's
-    communicator with ``MpiComm()``. ``donate_argnums`` is ``jax.jit``'s (see ``simulate``).
+    communicator with ``MpiComm()``. ``donate_argnums`` is ``jax.jit``'s and
+    ``split_local_steps`` ``simulate``'s.
     """
+    check_bools(split_local_steps=split_local_steps)
+    if split_local_steps:
+        build = functools.partial(on_mpi, comm=comm, check_config=check_config, donate_argnums=donate_argnums)
+        return SplitLocalSteps(build, step)
     allgather = None
     if check_config:
         from optaxdist.comm.mpi import MpiComm
@@ -382,7 +410,8 @@ def on_node(
     *,
     check_config: bool = True,
     donate_argnums: int | Sequence[int] = (),
-) -> AgreedStep:
+    split_local_steps: bool = False,
+) -> AgreedStep | SplitLocalSteps:
     """Run ``step`` with one replica per device of this node, the nodes joined by MPI: one
     process per node (``mpirun``/``srun``, no ``jax.distributed``), ``hierarchy`` from
     ``node_hierarchy()``.
@@ -393,8 +422,15 @@ def on_node(
     communicate as their names say. Each call waits for its results (a step's cross-node exchange
     blocks its devices' threads until the other nodes answer, so a second step must not queue
     behind it). Unless ``check_config=False``, the first call checks that every node runs the same
-    configuration (``AgreedStep``). ``donate_argnums`` is ``jax.jit``'s (see ``simulate``).
+    configuration (``AgreedStep``). ``donate_argnums`` is ``jax.jit``'s and
+    ``split_local_steps`` ``simulate``'s.
     """
+    check_bools(split_local_steps=split_local_steps)
+    if split_local_steps:
+        build = functools.partial(
+            on_node, hierarchy=hierarchy, check_config=check_config, donate_argnums=donate_argnums
+        )
+        return SplitLocalSteps(build, step)
     if hierarchy.mesh is None or not isinstance(hierarchy.cross, CrossComm):
         raise TypeError("on_node needs the hierarchy of optaxdist.node_hierarchy()")
     spec = P(hierarchy.mesh.axis_names)

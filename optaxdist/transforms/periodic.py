@@ -41,6 +41,7 @@ from optaxdist.transforms._checks import (
     local_step,
 )
 from optaxdist.transforms._start import check_identical_start, start_kinds
+from optaxdist.transforms.local_program import Schedule, local_only, record
 
 UNTOUCHED, AGREED, CHANGED = 0, 1, 2  # what the last update's synchronization did to a leaf
 
@@ -254,7 +255,9 @@ def periodic(
 
     The schedule's synchronizations, the warm-up and the first step after it are branches of one
     ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
-    step, on every harness.
+    step, on every harness. A harness made with ``split_local_steps=True`` also traces the step
+    with the local step alone (``optaxdist.transforms.local_program``) and runs that program on
+    the steps ``plain_local`` gives it: no switch, so the update fuses with what follows.
     """
     check_transformation("inner", inner)
     check_warmup_steps(warmup_steps)
@@ -293,6 +296,7 @@ def periodic(
         bodies = tuple(syncs(params) if callable(syncs) else syncs)
         t = comm.uniform(state.step)  # keeps the switch a branch under simulate
         s = t - warmup_steps
+        only_local = local_only()  # a harness traces its program of local steps
         sync_state, ledger = state.sync_state, state.ledger
         if background is not None:  # before the switch, on state only: free to overlap
             sync_state, ledger = background(s, params, sync_state, ledger)
@@ -303,7 +307,7 @@ def periodic(
             grads, inner_state, sync_state, ledger, agreed = operand
             # inside each branch, not before the switch: a conditional of its own that reads the
             # parameters makes XLA copy donated parameters on every step
-            ledger = check_identical_start(check_start, params, t, ledger, comm)
+            ledger = check_identical_start(check_start and not only_local, params, t, ledger, comm)
             u, inner_state = local_step(
                 inner,
                 grads,
@@ -342,29 +346,42 @@ def periodic(
             ledger = ledger.record(kind_name("all_reduce", params, wire))
             return local((grads, inner_state, sync_state, ledger, agreed))
 
-        # one switch: [local step, syncs..., warm-up, begin then (nothing, syncs...)]
-        scheduled = schedule(s, len(bodies))
-        branches = [local, *(lambda op, f=f: local(op, f) for f in bodies)]
-        index = scheduled
-        if warmup_steps:
-            branches.append(warm_up)
-            index = jnp.where(t < warmup_steps, len(branches) - 1, index)
-        if begin is not None:
-            first = len(branches)
-            branches.append(lambda op: local(op, begin, moves_params=False))
-            branches += [lambda op, f=f: local(op, lambda x: f(begin(x))) for f in bodies]
-            index = jnp.where(t == warmup_steps, first + scheduled, index)
-        out, inner_state, sync_state, ledger, agreed = jax.lax.switch(
-            index, branches, (updates, state.inner_state, sync_state, ledger, state.agreed)
-        )
-        return out, PeriodicState(
+        def plain_local(counters: jax.Array) -> jax.Array:
+            """Whether the update at these counter values takes branch 0 and checks nothing."""
+            plain = (counters >= warmup_steps) & (schedule(counters - warmup_steps, len(bodies)) == 0)
+            if begin is not None:
+                plain &= counters != warmup_steps
+            return plain & (counters != 0) if check_start else plain
+
+        operand = (updates, state.inner_state, sync_state, ledger, state.agreed)
+        if only_local:  # the harness runs this program only where ``plain_local`` holds
+            out, inner_state, sync_state, ledger, agreed = local(operand)
+            last_sync = jnp.zeros((), jnp.int32)
+        else:
+            # one switch: [local step, syncs..., warm-up, begin then (nothing, syncs...)]
+            scheduled = schedule(s, len(bodies))
+            branches = [local, *(lambda op, f=f: local(op, f) for f in bodies)]
+            index = scheduled
+            if warmup_steps:
+                branches.append(warm_up)
+                index = jnp.where(t < warmup_steps, len(branches) - 1, index)
+            if begin is not None:
+                first = len(branches)
+                branches.append(lambda op: local(op, begin, moves_params=False))
+                branches += [lambda op, f=f: local(op, lambda x: f(begin(x))) for f in bodies]
+                index = jnp.where(t == warmup_steps, first + scheduled, index)
+            out, inner_state, sync_state, ledger, agreed = jax.lax.switch(index, branches, operand)
+            last_sync = jnp.where(t < warmup_steps, 0, scheduled).astype(jnp.int32)
+        new_state = PeriodicState(
             step=optax.safe_increment(t),
-            last_sync=jnp.where(t < warmup_steps, 0, scheduled).astype(jnp.int32),
+            last_sync=last_sync,
             inner_state=inner_state,
             sync_state=sync_state,
             ledger=ledger,
             agreed=agreed,
         )
+        record(Schedule(state.step, new_state.step, plain_local))
+        return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -1,0 +1,219 @@
+"""``split_local_steps=True``: the local steps of periodic transforms as a program of their own.
+
+The harness runs the local program only on the calls where every periodic update is a plain local
+step, and there it computes what the general program computes, up to how XLA compiles the same
+operations: the local program may fuse ``params + updates`` into a fused multiply-add where the
+general program rounds the update first (it crosses the schedule's ``switch``), or evaluate Adam's
+bias correction in another fusion. With momentum SGD at learning rates that are powers of two no
+product rounds, and the runs are compared bit for bit; with Adam, to a rounding per step (a
+synchronization run by the local program would be off by far more).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optaxdist as od
+from optaxdist import topology
+
+N = 4
+STEPS = 40
+LR = 0.125
+REPLICA = od.REPLICA_AXIS
+
+
+def _momentum() -> optax.GradientTransformation:
+    return optax.sgd(LR, momentum=0.5)
+
+
+def _adam() -> optax.GradientTransformation:
+    return optax.adam(LR)
+
+
+# (transform, the calls out of STEPS that run the local program, bit-exact): every call but the
+# synchronizations, the start check's first step, the warm-up, the first step after it (DiLoCo's
+# anchors), and the first call (the general program is traced first, then the counters are read)
+CASES = {
+    # syncs at t = 6, 13, ..., 34 (5) and the local level at odd t not already synced
+    "local_sgd": (
+        lambda comm, nf: od.local_sgd(_momentum(), comm=comm, period=7, nonfinite=nf),
+        STEPS - 5 - 1,
+        True,
+    ),
+    # warm-up 0..2, anchors at 3, syncs at s = 4, 9, ..., 34 (t = 7, ..., 37: 7)
+    "diloco": (
+        lambda comm, nf: od.diloco(_momentum(), comm=comm, period=5, warmup_steps=3, nonfinite=nf),
+        STEPS - 3 - 1 - 7,
+        True,
+    ),
+    "slowmo": (
+        lambda comm, nf: od.slowmo(_momentum(), comm=comm, period=8, learning_rate=0.5, nonfinite=nf),
+        STEPS - 1 - 5,
+        True,
+    ),
+    # fragments sync at s = 2, 5, 8, ... (period 6, 2 fragments: every 3 steps; 13), merged 1 later
+    "streaming_diloco": (
+        lambda comm, nf: od.streaming_diloco(
+            _momentum(), comm=comm, period=6, num_fragments=2, delay=1, nonfinite=nf
+        ),
+        STEPS - 1 - 13 - 13,
+        True,
+    ),
+    # parameters every 4 steps (10), the first moment every 8 (at the same steps)
+    "des_loc": (
+        lambda comm, nf: od.des_loc(_adam(), comm=comm, period=4, state_periods={"mu": 8}, nonfinite=nf),
+        STEPS - 1 - 10,
+        False,
+    ),
+    "decentralized_sgd": (
+        lambda comm, nf: od.decentralized_sgd(
+            _momentum(), comm=comm, topology=topology.ring(N), nonfinite=nf
+        ),
+        0,
+        True,
+    ),
+}
+
+
+def _params():
+    return od.replicate({"w": jnp.linspace(-1.0, 1.0, 24).reshape(6, 4), "b": jnp.zeros((4,))}, N)
+
+
+def _grads(steps: int = STEPS):
+    keys = jax.random.split(jax.random.key(0), steps)
+    like = _params()
+    return [jax.tree.map(lambda p, k=k: jax.random.normal(k, p.shape), like) for k in keys]
+
+
+def _step(tx):
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return od.apply_updates(params, updates, state), state
+
+    return step
+
+
+def _run(run, tx, grads, params=None, state=None):
+    params = _params() if params is None else params
+    state = od.simulate(tx.init)(params) if state is None else state
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam's bias correction
+        for g in grads:
+            params, state = run(params, state, g)
+    return params, state
+
+
+def _assert_same_bits(a, b, exact: bool = True):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        if exact or not jnp.issubdtype(x.dtype, jnp.floating):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+        else:
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+
+
+# the default non-finite guard for every transform; without it (the local program then fuses the
+# update with ``params + updates``) two of them, and the others in the full run
+GUARDS = [(name, "skip") for name in sorted(CASES)] + [
+    pytest.param(name, "ignore", marks=() if name in ("local_sgd", "diloco") else pytest.mark.slow)
+    for name in sorted(CASES)
+]
+
+
+@pytest.mark.parametrize("name, nonfinite", GUARDS)
+def test_split_runs_the_local_program_on_local_steps_and_computes_the_same(name, nonfinite):
+    build, local_calls, exact = CASES[name]
+    tx = build(od.AxisComm(REPLICA), nonfinite)
+    grads = _grads()
+    expected = _run(od.simulate(_step(tx), donate_argnums=(0, 1)), tx, grads)
+    split = od.simulate(_step(tx), donate_argnums=(0, 1), split_local_steps=True)
+    got = _run(split, tx, grads)
+    _assert_same_bits(expected, got, exact)
+    assert split.local_calls == local_calls
+
+
+def test_a_state_from_elsewhere_is_read_again():
+    """A state that is not the previous call's result (a restored checkpoint, the same state
+    twice) has its counters read from the device: the schedule stays right."""
+    tx = CASES["local_sgd"][0](od.AxisComm(REPLICA), "skip")
+    grads = _grads(20)
+    plain, split = od.simulate(_step(tx)), od.simulate(_step(tx), split_local_steps=True)
+    params, state = _run(plain, tx, grads[:12])  # counter 12: the next sync is at 13
+    saved = jax.tree.map(np.asarray, (params, state))  # as a checkpoint holds it
+    for run in (plain, split):
+        _run(run, tx, grads[:5])  # the split step's counters are elsewhere now
+    expected = _run(plain, tx, grads[12:], *saved)
+    _assert_same_bits(expected, _run(split, tx, grads[12:], *saved))
+    # the same state twice: both calls are at counter 12 (local), then 13 (a sync) and on
+    again = [split(*saved, grads[12]) for _ in range(2)]
+    _assert_same_bits(again[0], again[1])
+    _assert_same_bits(again[0], plain(*saved, grads[12]))
+
+
+def test_updates_the_harness_cannot_see_run_the_general_program():
+    """An update inside another transform's conditional (``optax.MultiSteps``) or one whose counter
+    the step does not return: the general program on every call."""
+    tx = od.local_sgd(_momentum(), comm=od.AxisComm(REPLICA), period=3)
+    accumulated = optax.MultiSteps(tx, every_k_schedule=2)
+    split = od.simulate(_step(accumulated), split_local_steps=True)
+    expected = _run(od.simulate(_step(accumulated)), accumulated, _grads(12))
+    _assert_same_bits(expected, _run(split, accumulated, _grads(12)))
+    assert split.local_calls == 0
+
+    def forgets_the_state(params, state, grads):
+        updates, _ = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    split = od.simulate(forgets_the_state, split_local_steps=True)
+    _run(split, tx, _grads(6))
+    assert split.local_calls == 0
+
+
+@pytest.mark.parametrize("where", ["simulate", "mesh"])
+def test_the_local_program_has_no_collective_and_no_conditional(where):
+    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+    params = _params()
+    if where == "simulate":
+        split = od.simulate(_step(tx), split_local_steps=True)
+        state = od.simulate(tx.init)(params)
+    else:
+        mesh = jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N])
+        split = od.on_mesh(_step(tx), mesh, split_local_steps=True)
+        state = od.on_mesh(tx.init, mesh)(params)
+    grads = _grads(1)[0]
+    compiled = {
+        which: program.lower(params, state, grads).compile().as_text()
+        for which, program in (("general", split.general_program), ("local", split.local_program))
+    }
+    conditional, collective = "conditional(", ("all-reduce(", "all-gather(", "collective-permute(")
+    assert conditional in compiled["general"]
+    assert where == "simulate" or any(c in compiled["general"] for c in collective)
+    assert conditional not in compiled["local"] and not any(c in compiled["local"] for c in collective)
+    assert "custom-call" not in compiled["local"]  # the start check's host callback
+
+
+def test_fma_in_the_local_program_is_the_only_difference():
+    """With a learning rate whose products round, the local program's ``params + lr · m`` may be
+    one fused multiply-add: the runs agree to a rounding per step, and after a synchronization
+    every replica holds the same bits."""
+    tx = od.local_sgd(optax.sgd(0.1, momentum=0.9), comm=od.AxisComm(REPLICA), period=7, nonfinite="ignore")
+    grads = _grads(35)  # the last update synchronizes
+    expected, _ = _run(od.simulate(_step(tx)), tx, grads)
+    got, _ = _run(od.simulate(_step(tx), split_local_steps=True), tx, grads)
+    for x, y in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
+        assert (np.asarray(y) == np.asarray(y)[:1]).all()
+
+
+def test_bad_settings():
+    with pytest.raises(ValueError, match="split_local_steps='yes' must be a bool"):
+        od.simulate(lambda x: x, split_local_steps="yes")
+    with pytest.raises(ValueError, match="split_local_steps=True needs jit=True"):
+        od.simulate(lambda x: x, jit=False, split_local_steps=True)
+    mesh = jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N])
+    with pytest.raises(ValueError, match="split_local_steps=1 must be a bool"):
+        od.on_mesh(lambda x: x, mesh, split_local_steps=1)
