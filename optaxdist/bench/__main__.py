@@ -168,6 +168,12 @@ def _parser() -> argparse.ArgumentParser:
         "timed call gets fresh copies, made before its clock starts",
     )
     o.add_argument(
+        "--split-local-steps",
+        action="store_true",
+        help="local-steps rows: the transforms' steps run under split_local_steps=True (the "
+        "harness compiles their local steps as a program of their own); needs --donate",
+    )
+    o.add_argument(
         "--local-params",
         default=None,
         help="local-steps rows: parameters per replica, e.g. 100K (default: 100K up to 64 "
@@ -310,6 +316,8 @@ def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
         local_steps["n_params"] = parse_size(args.local_params)
     if args.donate:
         local_steps["donate"] = True
+    if args.split_local_steps:
+        local_steps["split"] = True
     return rows, local_steps
 
 

@@ -124,15 +124,16 @@ class Harness:
     def replicas(self) -> int:
         return math.prod(self.shape)
 
-    def wrap(self, step: Step, *, donate: bool = False) -> Step:
+    def wrap(self, step: Step, *, donate: bool = False, split: bool = False) -> Step:
         """The jitted function of stacked arguments; ``donate``: it reuses the buffers of its
-        first two arguments (parameters and state) for its results."""
-        donated = (0, 1) if donate else ()
+        first two arguments (parameters and state) for its results; ``split``: the harness's
+        ``split_local_steps``."""
+        options = {"donate_argnums": (0, 1) if donate else (), "split_local_steps": split}
         if self.name == "simulate":
             if len(self.axes) == 1:
-                return optaxdist.simulate(step, axis_name=self.axes[0], donate_argnums=donated)
-            return optaxdist.simulate(step, axis_name=self.axes, shape=self.shape, donate_argnums=donated)
-        return optaxdist.on_mesh(step, self.mesh, donate_argnums=donated)
+                return optaxdist.simulate(step, axis_name=self.axes[0], **options)
+            return optaxdist.simulate(step, axis_name=self.axes, shape=self.shape, **options)
+        return optaxdist.on_mesh(step, self.mesh, **options)
 
     def place(self, tree: Any) -> Any:
         """Stacked arrays split over the mesh (so that a timed call moves nothing first)."""
@@ -445,13 +446,17 @@ def measure_case(
     repeats: int,
     variant: str = "default",
     donate: bool = False,
+    split: bool = False,
 ) -> dict[str, Any]:
     """One row: local and sync step of ``case`` against plain and hand-written steps; with
     ``donate`` every step (ours and the references) reuses its parameters' and state's buffers,
-    and each timed call gets fresh copies of them, made before its clock starts."""
+    and each timed call gets fresh copies of them, made before its clock starts. With ``split``
+    ours runs under ``split_local_steps=True`` and its local step is timed as a training loop
+    runs it (``_time_donated``'s ``chained``); needs ``donate``."""
     options = case.variant_options(variant)
     tx, plain_tx = case.build(harness.replicas, **options), inner()
-    ours, plain = harness.wrap(_step(tx), donate=donate), reference_step(harness, None, donate)
+    ours = harness.wrap(_step(tx), donate=donate, split=split)
+    plain = reference_step(harness, None, donate)
     hands = {"hand_sync": reference_step(harness, case.hand_sync, donate)}
     if case.hand_local is not None:
         hands["hand_local"] = reference_step(harness, case.hand_local, donate)
@@ -466,6 +471,11 @@ def measure_case(
     t0 = time.perf_counter()
     compiled = ours.lower(params, local_state, grads).compile()
     compile_s = time.perf_counter() - t0
+    local_compile_s = None
+    if split:
+        t0 = time.perf_counter()
+        compiled = ours.local_program.lower(params, local_state, grads).compile()
+        local_compile_s = time.perf_counter() - t0
     _check_schedule(case, ours, params, local_state, sync_state, grads)
     calls = {
         "local": (ours, (params, local_state, grads)),
@@ -476,7 +486,10 @@ def measure_case(
     if donate:
         at = {"local": case.local_at, "sync": case.sync_at}
         samples = _time_donated(
-            calls, repeats, lambda name, st: harness.place(_at(st, at[name])) if name in at else st
+            calls,
+            repeats,
+            lambda name, st: harness.place(_at(st, at[name])) if name in at else st,
+            chained=("local",) if split else (),
         )
     else:
         fns = [lambda f=f, a=a: f(*a) for f, a in calls.values()]
@@ -497,6 +510,8 @@ def measure_case(
         "donate": donate,
         **_timings(samples),
         "compile_s": compile_s,
+        "split": split,
+        "local_compile_s": local_compile_s,
         "state_bytes": total,
         "fixed_state_bytes": fixed,
         "param_bytes": inputs.param_bytes,
@@ -518,23 +533,41 @@ def _copies(*trees: Any) -> tuple:
 
 
 def _time_donated(
-    calls: Mapping[str, tuple[Step, tuple]], repeats: int, reset: Callable[[str, Any], Any]
+    calls: Mapping[str, tuple[Step, tuple]],
+    repeats: int,
+    reset: Callable[[str, Any], Any],
+    chained: Sequence[str] = (),
 ) -> dict[str, list[float]]:
     """``_time`` for donating steps, as a training loop runs them: each call of a row continues
     from the parameters and state its previous call returned (its own copy of the arguments at
     first), its state's schedule fields set back by ``reset(name, state)`` before the clock starts
-    (small arrays), so every call is the same kind of step."""
+    (small arrays), so every call is the same kind of step.
+
+    ``chained``: rows of a ``split_local_steps`` step, timed only on calls that ran its local
+    program and whose state is the one its previous call returned (the harness then reads no
+    counter from the device); their state is set back only after a call that did not run it."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: dict[str, list[float]] = {k: [] for k in calls}
-    for i in range(repeats + 1):  # the first round warms up
+    fresh = dict.fromkeys(chained, True)  # the next call's state was set back (or is the first)
+    for i in range(100 * (repeats + 1)):  # the first round warms up
         for name, (fn, _) in calls.items():
             params, state, grads = carried[name]
-            state = jax.block_until_ready(reset(name, state))
+            if name not in chained or fresh[name]:
+                state = jax.block_until_ready(reset(name, state))
+            before = getattr(fn, "local_calls", 0)
             t = time.perf_counter()
             params, state = jax.block_until_ready(fn(params, state, grads))
-            if i:
-                samples[name].append(time.perf_counter() - t)
+            elapsed = time.perf_counter() - t
+            timed = i > 0 and len(samples[name]) < repeats
+            if name in chained:
+                ran_local = fn.local_calls > before
+                timed = timed and ran_local and not fresh[name]
+                fresh[name] = not ran_local
+            if timed:
+                samples[name].append(elapsed)
             carried[name] = (params, state, grads)
+        if all(len(v) >= repeats for v in samples.values()):
+            break
     return samples
 
 
@@ -615,6 +648,7 @@ def run_local_steps(
     n_params: int | None = None,
     repeats: int = 11,
     donate: bool = False,
+    split: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Every transform × harness × replica count; mesh rows only where the devices exist.
@@ -622,9 +656,13 @@ def run_local_steps(
     Each transform runs in every ``VARIANTS`` entry of ``variants`` that changes one of its
     options (a variant equal to one already run for that transform is left out).
 
+    ``split``: the transforms' steps run under ``split_local_steps=True`` (needs ``donate``).
+
     Returns the ``local_steps`` part of the overhead record (``results``: timing rows,
     ``state_bytes``: the state table per parameter count, ``skipped``: rows that could not run).
     """
+    if split and not donate:
+        raise ValueError("split=True (--split-local-steps) needs donate=True (--donate)")
     unknown = [t for t in transforms if t not in TRANSFORMS] + [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(
@@ -657,7 +695,15 @@ def run_local_steps(
                             flush=True,
                         )
                     rows.append(
-                        measure_case(case, harness, inputs, repeats=repeats, variant=variant, donate=donate)
+                        measure_case(
+                            case,
+                            harness,
+                            inputs,
+                            repeats=repeats,
+                            variant=variant,
+                            donate=donate,
+                            split=split,
+                        )
                     )
     state_table = [row for size in sizes.values() for row in measure_state_bytes(size)]
     return {
@@ -669,6 +715,7 @@ def run_local_steps(
         "local_step_counter": LOCAL_T,
         "sync_step_counter": {"default": SYNC_T, "daso": PERIOD},
         "donate": donate,
+        "split": split,
         "results": rows,
         "state_bytes": state_table,
         "skipped": skipped,
@@ -686,6 +733,11 @@ def _distinct_variants(case: Case, variants: Sequence[str]) -> list[str]:
     return out
 
 
+def _compile(row: Mapping[str, Any]) -> str:
+    local = row.get("local_compile_s")
+    return f"{row['compile_s']:.2f}" + ("" if local is None else f" + {local:.2f}")
+
+
 def _mb(nbytes: int | None) -> str:
     return "–" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
@@ -693,6 +745,12 @@ def _mb(nbytes: int | None) -> str:
 def format_local_steps(section: Mapping[str, Any]) -> str:
     """Markdown tables: the timing rows, then state bytes per parameter byte."""
     out = ["every step donates its parameters and state (--donate)", ""] if section.get("donate") else []
+    if section.get("split"):
+        out += [
+            "the transforms' steps run under split_local_steps=True (--split-local-steps): local "
+            "steps timed in a chain of calls; compile s: general program + local program",
+            "",
+        ]
     out += [
         "| transform | harness | replicas | parameters | local ms | plain ms | local / plain | "
         "hand local ms | local / hand | sync ms | hand sync ms | sync / hand | compile s | "
@@ -706,7 +764,7 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
             f"| {name} | {r['harness']} | {shape} | {r['parameters']:,} | "
             f"{r['local_ms']:.3f} | {r['plain_ms']:.3f} | {r['local_ratio']:.2f} | "
             f"{r['hand_local_ms']:.3f} | {r['local_hand_ratio']:.2f} | {r['sync_ms']:.3f} | "
-            f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {r['compile_s']:.2f} | "
+            f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {_compile(r)} | "
             f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('step_bytes'))} / "
             f"{_mb(r.get('plain_step_bytes'))} | {_mb(r.get('peak_bytes_in_use'))} |"
         )
