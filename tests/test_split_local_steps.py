@@ -116,9 +116,12 @@ def _assert_same_bits(a, b, exact: bool = True):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
 
 
-# the default non-finite guard for every transform; without it (the local program then fuses the
-# update with ``params + updates``) two of them, and the others in the full run
-GUARDS = [(name, "skip") for name in sorted(CASES)] + [
+# the default non-finite guard for every transform (SlowMo, DiLoCo's outer step with another
+# outer optimizer, in the full run); without it (the local program then fuses the update with
+# ``params + updates``) two of them, and the others in the full run
+GUARDS = [
+    pytest.param(name, "skip", marks=pytest.mark.slow if name == "slowmo" else ()) for name in sorted(CASES)
+] + [
     pytest.param(name, "ignore", marks=() if name in ("local_sgd", "diloco") else pytest.mark.slow)
     for name in sorted(CASES)
 ]
@@ -217,3 +220,19 @@ def test_bad_settings():
     mesh = jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N])
     with pytest.raises(ValueError, match="split_local_steps=1 must be a bool"):
         od.on_mesh(lambda x: x, mesh, split_local_steps=1)
+
+
+def test_the_configuration_check_still_reads_the_users_step():
+    """On several processes each program's first call compares the configuration, including the
+    optax transformations the user's step refers to (not the harness's recording wrapper)."""
+    from optaxdist.agreement import describe_step
+
+    tx = CASES["local_sgd"][0](od.AxisComm(REPLICA), "skip")
+    mesh = jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N])
+    train_step = _step(tx)
+    split = od.on_mesh(train_step, mesh, split_local_steps=True)
+    params = _params()
+    state = od.on_mesh(tx.init, mesh)(params)
+    for program in (split.general_program, split.local_program):
+        described = describe_step(program._traced, params, state, _grads(1)[0], user_step=program._step)
+        assert "tx" in described["optimizers the step refers to"]

@@ -192,15 +192,24 @@ def _misplaced_replica_axes(spec: P, ndim: int, names: tuple[str, ...]) -> str |
     return None
 
 
+@functools.lru_cache(maxsize=1024)
+def _misplaced_sharding(sharding: NamedSharding, ndim: int, names: tuple[str, ...]) -> str | None:
+    """``_misplaced_replica_axes`` of a sharding on a mesh with the replica axes, else None
+    (cached: every call of a step checks every argument)."""
+    if not set(names) <= set(sharding.mesh.axis_names):
+        return None
+    return _misplaced_replica_axes(sharding.spec, ndim, names)
+
+
 def _check_replica_placement(args: tuple, mesh: Mesh, names: tuple[str, ...]) -> None:
     """Raise ``ValueError`` if a concrete argument's ``NamedSharding`` on a mesh with the replica
     axes puts one of them anywhere but alone on the leading (stacked) dimension."""
 
     def bad(leaf) -> str | None:
         sharding = getattr(leaf, "sharding", None)
-        if not isinstance(sharding, NamedSharding) or not set(names) <= set(sharding.mesh.axis_names):
+        if not isinstance(sharding, NamedSharding):
             return None
-        return _misplaced_replica_axes(sharding.spec, np.ndim(leaf), names)
+        return _misplaced_sharding(sharding, np.ndim(leaf), names)
 
     if not any(bad(leaf) for leaf in jax.tree.leaves(args)):
         return

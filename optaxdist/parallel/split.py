@@ -3,6 +3,7 @@ of their own (``optaxdist.transforms.local_program``), chosen on the host from t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -68,6 +69,7 @@ class SplitLocalSteps:
         self.local_calls = 0  # calls that ran the local program
 
     def _recording(self, step: Callable[..., Any], *, local: bool) -> Callable[..., Any]:
+        @functools.wraps(step)  # the configuration check follows the user's step from here
         def traced(*args: Any) -> Any:
             with local_program.tracing(local=local) as recorded:
                 out = step(*args)

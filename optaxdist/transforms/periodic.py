@@ -346,9 +346,11 @@ def periodic(
             ledger = ledger.record(kind_name("all_reduce", params, wire))
             return local((grads, inner_state, sync_state, ledger, agreed))
 
+        num_syncs = len(bodies)
+
         def plain_local(counters: jax.Array) -> jax.Array:
             """Whether the update at these counter values takes branch 0 and checks nothing."""
-            plain = (counters >= warmup_steps) & (schedule(counters - warmup_steps, len(bodies)) == 0)
+            plain = (counters >= warmup_steps) & (schedule(counters - warmup_steps, num_syncs) == 0)
             if begin is not None:
                 plain &= counters != warmup_steps
             return plain & (counters != 0) if check_start else plain
