@@ -176,9 +176,10 @@ def test_updates_the_harness_cannot_see_run_the_general_program():
     assert split.local_calls == 0
 
 
-@pytest.mark.parametrize("where", ["simulate", "mesh"])
-def test_the_local_program_has_no_collective_and_no_conditional(where):
-    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+@pytest.mark.parametrize("where, nonfinite", [("simulate", "ignore"), ("mesh", "ignore"), ("mesh", "skip")])
+def test_the_local_program_has_no_collective_and_no_conditional(where, nonfinite):
+    """Compiled: no collective, no host callback, and no conditional but the guard's."""
+    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite=nonfinite)
     params = _params()
     if where == "simulate":
         split = od.simulate(_step(tx), split_local_steps=True)
@@ -195,8 +196,9 @@ def test_the_local_program_has_no_collective_and_no_conditional(where):
     conditional, collective = "conditional(", ("all-reduce(", "all-gather(", "collective-permute(")
     assert conditional in compiled["general"]
     assert where == "simulate" or any(c in compiled["general"] for c in collective)
-    assert conditional not in compiled["local"] and not any(c in compiled["local"] for c in collective)
-    assert "custom-call" not in compiled["local"]  # the start check's host callback
+    assert not any(c in compiled["local"] for c in collective)
+    assert "custom-call" in compiled["general"] and "custom-call" not in compiled["local"]  # start check
+    assert compiled["local"].count(conditional) == (nonfinite == "skip")  # the guard's cond
 
 
 def test_fma_in_the_local_program_is_the_only_difference():
@@ -236,3 +238,74 @@ def test_the_configuration_check_still_reads_the_users_step():
     for program in (split.general_program, split.local_program):
         described = describe_step(program._traced, params, state, _grads(1)[0], user_step=program._step)
         assert "tx" in described["optimizers the step refers to"]
+
+
+def test_a_new_run_on_the_same_step_is_checked_at_its_first_update():
+    """The start check's step (counter 0) runs the general program, also when the harness has
+    already seen the step: replicas that differ are refused."""
+    tx = CASES["local_sgd"][0](od.AxisComm(REPLICA), "skip")
+    split = od.simulate(_step(tx), split_local_steps=True)
+    _run(split, tx, _grads(10))
+    offsets = lambda p: jnp.arange(N, dtype=p.dtype).reshape((N,) + (1,) * (p.ndim - 1))  # noqa: E731
+    differ = jax.tree.map(lambda p: p + offsets(p), _params())
+    with pytest.raises(Exception, match="replicas do not start from identical parameters"):
+        _run(split, tx, _grads(1), params=differ, state=od.simulate(tx.init)(differ))
+
+
+def test_several_periodic_transforms_in_one_step():
+    """Each update's own schedule: the local program runs only when neither synchronizes."""
+    comm = od.AxisComm(REPLICA)
+    tx = optax.multi_transform(
+        {
+            "w": od.local_sgd(_momentum(), comm=comm, period=3),  # syncs at t = 2, 5, 8, 11, 14
+            "b": od.local_sgd(_momentum(), comm=comm, period=5),  # syncs at t = 4, 9, 14
+        },
+        {"w": "w", "b": "b"},
+    )
+    grads = _grads(16)
+    expected = _run(od.simulate(_step(tx)), tx, grads)
+    split = od.simulate(_step(tx), split_local_steps=True)
+    _assert_same_bits(expected, _run(split, tx, grads))
+    assert split.local_calls == 16 - 1 - 5 - 2  # not 0 (start check), nor a sync of either
+
+
+@pytest.mark.parametrize("start", [4090, np.iinfo(np.int32).max - 3])
+def test_counters_beyond_a_table_and_at_saturation(start, monkeypatch):
+    """Schedules evaluated in tables of 4 counter values (refilled as the counters move on), and
+    counters that saturate at the int32 maximum: the same numbers as the general program."""
+    from optaxdist.parallel import split as split_module
+
+    monkeypatch.setattr(split_module, "TABLE_SIZE", 4)
+    tx = CASES["local_sgd"][0](od.AxisComm(REPLICA), "skip")
+    params = _params()
+    state = od.simulate(tx.init)(params)
+    state = state._replace(step=jnp.full_like(state.step, start))
+    grads = _grads(12)
+    expected = _run(od.simulate(_step(tx)), tx, grads, params, state)
+    split = od.simulate(_step(tx), split_local_steps=True)
+    _assert_same_bits(expected, _run(split, tx, grads, params, state))
+    assert split.local_calls > 6
+
+
+def test_a_schedule_chosen_from_the_shapes_is_traced_again():
+    """Two argument signatures of the same structure get their own traces, and their own
+    schedules (here the step picks its transform from the parameters' shape)."""
+    comm = od.AxisComm(REPLICA)
+    every_3, every_5 = (od.local_sgd(_momentum(), comm=comm, period=p, check_start=False) for p in (3, 5))
+
+    def step(params, state, grads):
+        tx = every_3 if params.shape[-1] == 3 else every_5
+        updates, state = tx.update(grads, state, params)
+        return od.apply_updates(params, updates, state), state
+
+    def run(harness, shape):
+        params = od.replicate(jnp.ones(shape), N)
+        state = od.simulate(every_5.init)(params)
+        keys = jax.random.split(jax.random.key(2), 7)
+        for k in keys:
+            params, state = harness(params, state, jax.random.normal(k, params.shape))
+        return params, state
+
+    split, general = od.simulate(step, split_local_steps=True), od.simulate(step)
+    for shape in [(4, 3), (3, 4), (4, 3)]:  # the last one runs an executable compiled before
+        _assert_same_bits(run(general, shape), run(split, shape))

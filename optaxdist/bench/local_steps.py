@@ -471,10 +471,10 @@ def measure_case(
     t0 = time.perf_counter()
     compiled = ours.lower(params, local_state, grads).compile()
     compile_s = time.perf_counter() - t0
-    local_compile_s = None
+    local_compile_s = local_compiled = None
     if split:
         t0 = time.perf_counter()
-        compiled = ours.local_program.lower(params, local_state, grads).compile()
+        local_compiled = ours.local_program.lower(params, local_state, grads).compile()
         local_compile_s = time.perf_counter() - t0
     _check_schedule(case, ours, params, local_state, sync_state, grads)
     calls = {
@@ -512,6 +512,7 @@ def measure_case(
         "compile_s": compile_s,
         "split": split,
         "local_compile_s": local_compile_s,
+        "local_program_step_bytes": None if local_compiled is None else step_bytes(local_compiled),
         "state_bytes": total,
         "fixed_state_bytes": fixed,
         "param_bytes": inputs.param_bytes,

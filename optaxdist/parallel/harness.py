@@ -58,6 +58,12 @@ class _Jitted:
         return getattr(self._top, name)
 
 
+def _split(split_local_steps: object) -> bool:
+    """Validate a harness's ``split_local_steps=``."""
+    check_bools(split_local_steps=split_local_steps)
+    return split_local_steps  # type: ignore[return-value]
+
+
 def replicate(tree: PyTree, n: int) -> PyTree:
     """Stack ``n`` identical copies of ``tree`` on a new leading axis."""
     if not isinstance(n, int) or n < 1:
@@ -98,12 +104,11 @@ def simulate(
     Returns:
       A function of stacked arguments returning stacked results.
     """
-    check_bools(split_local_steps=split_local_steps)
-    if split_local_steps:
+    if _split(split_local_steps):
         if not jit:
             raise ValueError("split_local_steps=True needs jit=True (the host picks a compiled program)")
         build = functools.partial(simulate, axis_name=axis_name, shape=shape, donate_argnums=donate_argnums)
-        return SplitLocalSteps(build, step)
+        return SplitLocalSteps(build, step, leading=1)
     names = _names(axis_name)
     if len(names) > 1 and (shape is None or len(shape) != len(names)):
         raise ValueError(f"axis_name={names} needs shape= with one size per axis, got {shape}")
@@ -344,12 +349,11 @@ def on_mesh(
     ``donate_argnums`` is ``jax.jit``'s and ``split_local_steps`` ``simulate``'s (every process
     of a multi-host mesh must then pass the same states, as it must anyway).
     """
-    check_bools(split_local_steps=split_local_steps)
-    if split_local_steps:
+    if _split(split_local_steps):
         build = functools.partial(
             on_mesh, mesh=mesh, axis_name=axis_name, check_config=check_config, donate_argnums=donate_argnums
         )
-        return SplitLocalSteps(build, step)
+        return SplitLocalSteps(build, step, leading=1)
     names = _names(mesh.axis_names if axis_name is None else axis_name)
     missing = [a for a in names if a not in mesh.axis_names]
     if missing:
@@ -400,10 +404,9 @@ def on_mpi(
     communicator with ``MpiComm()``. ``donate_argnums`` is ``jax.jit``'s and
     ``split_local_steps`` ``simulate``'s.
     """
-    check_bools(split_local_steps=split_local_steps)
-    if split_local_steps:
+    if _split(split_local_steps):
         build = functools.partial(on_mpi, comm=comm, check_config=check_config, donate_argnums=donate_argnums)
-        return SplitLocalSteps(build, step)
+        return SplitLocalSteps(build, step, leading=0)
     allgather = None
     if check_config:
         from optaxdist.comm.mpi import MpiComm
@@ -434,12 +437,11 @@ def on_node(
     configuration (``AgreedStep``). ``donate_argnums`` is ``jax.jit``'s and
     ``split_local_steps`` ``simulate``'s.
     """
-    check_bools(split_local_steps=split_local_steps)
-    if split_local_steps:
+    if _split(split_local_steps):
         build = functools.partial(
             on_node, hierarchy=hierarchy, check_config=check_config, donate_argnums=donate_argnums
         )
-        return SplitLocalSteps(build, step)
+        return SplitLocalSteps(build, step, leading=1)
     if hierarchy.mesh is None or not isinstance(hierarchy.cross, CrossComm):
         raise TypeError("on_node needs the hierarchy of optaxdist.node_hierarchy()")
     spec = P(hierarchy.mesh.axis_names)

@@ -12,17 +12,19 @@ import numpy as np
 
 from optaxdist.transforms import local_program
 
-INT32_MAX = np.iinfo(np.int32).max
+INT32_MAX = int(np.iinfo(np.int32).max)
 TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the host's CPU
 
 
 class _Plan(NamedTuple):
-    """Where the traced step's periodic updates find and return their counters: positions in the
-    flattened arguments and results, and each update's ``Schedule.plain_local``."""
+    """Where one trace's periodic updates find and return their counters (positions in the
+    flattened arguments and results), each update's ``Schedule.plain_local``, and the tables of
+    its values computed so far (``index → (first counter, bools)``)."""
 
     step_in: tuple[int, ...]
     step_out: tuple[int, ...]
     plain_local: tuple[Callable[[jax.Array], jax.Array], ...]
+    tables: dict[int, tuple[int, np.ndarray]]
 
 
 def _plan(args: tuple, out: Any, recorded: list[local_program.Schedule]) -> _Plan | None:
@@ -38,94 +40,119 @@ def _plan(args: tuple, out: Any, recorded: list[local_program.Schedule]) -> _Pla
         step_out = tuple(outputs[id(r.step_out)] for r in recorded)
     except KeyError:
         return None
-    return _Plan(step_in, step_out, tuple(r.plain_local for r in recorded))
+    return _Plan(step_in, step_out, tuple(r.plain_local for r in recorded), {})
 
 
-def _host_int(x: Any) -> int:
-    """A replicated counter's value (one blocking read of one device's copy)."""
+def _signature(treedef: Any, leaves: list, leading: int) -> tuple:
+    """What makes ``jax.jit`` trace the step again, as one replica's step sees it: the
+    arguments' structure, and their shapes (without the ``leading`` stacked axes), dtypes and
+    weak types."""
+    return treedef, tuple(
+        (np.shape(x)[leading:], getattr(x, "dtype", type(x)), getattr(x, "weak_type", False)) for x in leaves
+    )
+
+
+def _host_counter(x: Any) -> int:
+    """A replicated counter's value: the largest over the replicas this process holds (what
+    ``Communicator.uniform`` makes of it under ``simulate``); one blocking read."""
     if isinstance(x, jax.Array):
-        x = x.addressable_shards[0].data
-    return int(np.asarray(x).reshape(-1)[0])
+        return max(int(np.asarray(s.data).max()) for s in x.addressable_shards)
+    return int(np.asarray(x).max())
+
+
+def _table_device() -> jax.Device:
+    """Where the schedules are evaluated: this process's CPU, else its first device."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # no CPU backend (JAX_PLATFORMS=cuda)
+        return jax.local_devices()[0]
 
 
 class SplitLocalSteps:
-    """A harness step compiled twice: the general program, and the local program that every
-    periodic update of the step traces as its local step only. A call runs the local program when
+    """A harness step compiled twice: the general program, and the local program in which every
+    periodic update of the step takes its local step only. A call runs the local program when
     the step counters say that every periodic update of this call is a plain local step.
 
-    The counters are kept on the host: read from the arguments (one blocking read of a scalar per
-    transform) at the first call and whenever a call's counters are not the arrays the previous
-    call returned, else counted. The schedules are evaluated ``TABLE_SIZE`` counter values at a
-    time on the CPU. Keyword arguments, and arguments that are tracers, run the general program.
-    Everything else (``lower``, ``trace``, ``agreement``...) is the general program's.
+    ``build`` makes the harness's compiled step of a per-replica step; ``leading`` is the number
+    of stacked axes the harness's arguments have in front of one replica's (1, or 0 under MPI).
+    The counters are kept on the host. They are read from the arguments (one blocking read of a
+    scalar per transform) on the first call after the step's first trace, and whenever a call's
+    counters are not the arrays the previous call returned; otherwise they are counted. A call
+    with arguments of a new signature (structure, shapes, dtypes) runs the general program: its
+    trace says where the counters are. The schedules are evaluated ``TABLE_SIZE`` counter values
+    at a time on the CPU.
+    Arguments that are tracers (a call from inside another ``jax.jit``) run the general program.
+    ``local_calls`` counts the calls that ran the local program; everything else (``lower``,
+    ``trace``, ``agreement``...) is the general program's.
     """
 
-    def __init__(self, build: Callable[[Callable[..., Any]], Callable[..., Any]], step: Callable[..., Any]):
-        self._plans: dict[tuple[bool, Any], _Plan | None] = {}
+    def __init__(
+        self,
+        build: Callable[[Callable[..., Any]], Callable[..., Any]],
+        step: Callable[..., Any],
+        leading: int,
+    ):
+        self._plans: dict[tuple[bool, tuple], _Plan | None] = {}  # (local?, signature) → plan
+        self._leading = leading
         self._general = build(self._recording(step, local=False))
         self._local = build(self._recording(step, local=True))
-        self._last: tuple[Any, list, list[int]] | None = None  # structure, counter arrays, values
-        self._tables: dict[tuple[Any, int], tuple[Callable, int, np.ndarray]] = {}
-        self.local_calls = 0  # calls that ran the local program
+        self._last: tuple[tuple, list, list[int]] | None = None  # signature, counters, values
+        self.local_calls = 0
 
     def _recording(self, step: Callable[..., Any], *, local: bool) -> Callable[..., Any]:
         @functools.wraps(step)  # the configuration check follows the user's step from here
         def traced(*args: Any) -> Any:
             with local_program.tracing(local=local) as recorded:
                 out = step(*args)
-            self._plans[(local, jax.tree.structure(args))] = _plan(args, out, recorded)
+            leaves, treedef = jax.tree.flatten(args)
+            self._plans[(local, _signature(treedef, leaves, 0))] = _plan(args, out, recorded)
             return out
 
         return traced
 
-    def _counters(self, plan: _Plan, treedef: Any, leaves: list) -> list[int]:
+    def _counters(self, plan: _Plan, signature: tuple, leaves: list) -> list[int]:
         if self._last is not None:
-            structure, arrays, values = self._last
-            if structure == treedef and all(leaves[p] is a for p, a in zip(plan.step_in, arrays)):
+            last_signature, arrays, values = self._last
+            if last_signature == signature and all(leaves[p] is a for p, a in zip(plan.step_in, arrays)):
                 return values
-        return [_host_int(leaves[p]) for p in plan.step_in]
+        return [_host_counter(leaves[p]) for p in plan.step_in]
 
-    def _plain_local(self, treedef: Any, index: int, fn: Callable, counter: int) -> bool:
-        key = (treedef, index)
-        jitted, start, table = self._tables.get(key, (None, 0, np.zeros(0, bool)))
+    def _plain_local(self, plan: _Plan, index: int, counter: int) -> bool:
+        start, table = plan.tables.get(index, (0, np.zeros(0, bool)))
         if not start <= counter < start + len(table):
-            jitted = jitted or jax.jit(fn)
             start = counter
-            values = np.minimum(np.arange(TABLE_SIZE, dtype=np.int64) + counter, INT32_MAX)
-            cpu = jax.devices("cpu")[0]
-            table = np.asarray(jitted(jax.device_put(values.astype(np.int32), cpu)))
-            self._tables[key] = (jitted, start, table)
+            values = np.minimum(np.arange(TABLE_SIZE, dtype=np.int64) + counter, INT32_MAX).astype(np.int32)
+            table = np.asarray(jax.jit(plan.plain_local[index])(jax.device_put(values, _table_device())))
+            plan.tables[index] = (start, table)
         return bool(table[counter - start])
 
-    def _local_traces_alike(self, plan: _Plan, treedef: Any, args: tuple) -> bool:
+    def _local_traces_alike(self, plan: _Plan, signature: tuple, args: tuple) -> bool:
         """The local program finds and returns the counters where the general one does (traced
-        once per argument structure, before its first call)."""
-        if (True, treedef) not in self._plans:
+        once per signature, before its first call)."""
+        if (True, signature) not in self._plans:
             self._local.trace(*args)
-        other = self._plans[(True, treedef)]
-        return other is not None and other[:2] == plan[:2]
+        other = self._plans.get((True, signature))
+        return other is not None and (other.step_in, other.step_out) == (plan.step_in, plan.step_out)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any) -> Any:
         leaves, treedef = jax.tree.flatten(args)
-        plan = self._plans.get((False, treedef))
+        signature = _signature(treedef, leaves, self._leading)
+        plan = self._plans.get((False, signature))
         counters = None
-        if plan is not None and not kwargs and not any(isinstance(x, jax.core.Tracer) for x in leaves):
-            counters = self._counters(plan, treedef, leaves)
+        if plan is not None and not any(isinstance(x, jax.core.Tracer) for x in leaves):
+            counters = self._counters(plan, signature, leaves)
         local = (
             counters is not None
-            and all(
-                self._plain_local(treedef, i, fn, c)
-                for i, (fn, c) in enumerate(zip(plan.plain_local, counters))
-            )
-            and self._local_traces_alike(plan, treedef, args)
+            and all(self._plain_local(plan, i, c) for i, c in enumerate(counters))
+            and self._local_traces_alike(plan, signature, args)
         )
-        out = (self._local if local else self._general)(*args, **kwargs)
+        out = (self._local if local else self._general)(*args)
         self.local_calls += local
         self._last = None
         if counters is not None:
             results = jax.tree.leaves(out)
             arrays = [results[p] for p in plan.step_out]
-            self._last = (treedef, arrays, [min(c + 1, INT32_MAX) for c in counters])
+            self._last = (signature, arrays, [min(c + 1, INT32_MAX) for c in counters])
         return out
 
     @property
@@ -136,7 +163,8 @@ class SplitLocalSteps:
     @property
     def local_program(self) -> Callable[..., Any]:
         """The step with every periodic update taking its local step only (``lower`` it with a
-        state at a local step: it computes what the general program computes there)."""
+        state at a local step: it computes what the general program computes there, up to
+        rounding, see ``optaxdist.transforms.local_program``)."""
         return self._local
 
     def __getattr__(self, name: str) -> Any:

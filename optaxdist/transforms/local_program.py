@@ -4,7 +4,8 @@ A periodic transform's step is one program whose ``lax.switch`` picks, from the 
 counter, the local step or a synchronization. Whatever the branch, the update crosses the
 conditional, so it is written to memory and cannot fuse with ``params + updates`` after it, and
 every branch's buffers are reserved. A harness made with ``split_local_steps=True``
-(``optaxdist.simulate`` / ``on_mesh`` / ``on_mpi``) compiles the user's step twice instead:
+(``optaxdist.simulate`` / ``on_mesh`` / ``on_mpi`` / ``on_node``) compiles the user's step twice
+instead:
 
 * the **general** program, as without the option; while it is traced, each periodic update
   records a ``Schedule``: the counter it got, the counter it returns, and a function that tells
@@ -15,8 +16,11 @@ every branch's buffers are reserved. A harness made with ``split_local_steps=Tru
 
 The harness keeps the counters on the host (read from the device once, and again only when a
 call gets a state that is not the one the previous call returned) and runs the local program on
-the calls where every recorded update is a plain local step. Both programs compute the same
-numbers on such a call (``tests/test_split_local_steps.py`` compares them bit for bit).
+the calls where every recorded update is a plain local step. On such a call both programs run
+the same operations, which XLA may compile differently: the local program may fuse
+``params + lr · m`` into one fused multiply-add where the general program rounds the update
+first. ``tests/test_split_local_steps.py`` compares them bit for bit where no product rounds
+(momentum SGD at learning rates that are powers of two) and to a rounding otherwise.
 """
 
 from __future__ import annotations
