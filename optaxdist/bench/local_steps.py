@@ -546,11 +546,15 @@ def _time_donated(
 
     ``chained``: rows of a ``split_local_steps`` step, timed only on calls that ran its local
     program and whose state is the one its previous call returned (the harness then reads no
-    counter from the device); their state is set back only after a call that did not run it."""
+    counter from the device); their state is set back only after a call that did not run it. A
+    row whose step has no local program (gossip, DASO) is timed like the others."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: dict[str, list[float]] = {k: [] for k in calls}
+    chained = list(chained)
     fresh = dict.fromkeys(chained, True)  # the next call's state was set back (or is the first)
     for i in range(100 * (repeats + 1)):  # the first round warms up
+        if i == 3:  # by now a step with a local program has run it
+            chained = [name for name in chained if calls[name][0].local_calls]
         for name, (fn, _) in calls.items():
             params, state, grads = carried[name]
             if name not in chained or fresh[name]:
