@@ -317,6 +317,8 @@ def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
     if args.donate:
         local_steps["donate"] = True
     if args.split_local_steps:
+        if not args.donate:
+            raise ValueError("--split-local-steps needs --donate (local steps are timed in a chain of calls)")
         local_steps["split"] = True
     return rows, local_steps
 
