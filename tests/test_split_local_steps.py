@@ -309,3 +309,52 @@ def test_a_schedule_chosen_from_the_shapes_is_traced_again():
     split, general = od.simulate(step, split_local_steps=True), od.simulate(step)
     for shape in [(4, 3), (3, 4), (4, 3)]:  # the last one runs an executable compiled before
         _assert_same_bits(run(general, shape), run(split, shape))
+
+
+def test_a_step_that_updates_its_arguments_in_place():
+    """A step that writes the new state into its argument (a dict here; Flax NNX's ``merge`` and
+    ``Optimizer.update`` do the same with their Variables) still runs the local program."""
+    tx = CASES["diloco"][0](od.AxisComm(REPLICA), "skip")
+
+    def step(carry, grads):
+        updates, carry["state"] = tx.update(grads, carry["state"], carry["params"])
+        carry["params"] = od.apply_updates(carry["params"], updates, carry["state"])
+        return carry
+
+    def run(harness):
+        carry = {"params": _params(), "state": od.simulate(tx.init)(_params())}
+        for g in _grads():
+            carry = harness(carry, g)
+        return carry
+
+    split = od.simulate(step, split_local_steps=True)
+    _assert_same_bits(run(od.simulate(step)), run(split))
+    assert split.local_calls == CASES["diloco"][1]
+
+
+def test_flax_nnx_runs_the_local_program():
+    from flax import nnx
+
+    comm = od.AxisComm(REPLICA)
+
+    def make():
+        model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, od.local_sgd(_momentum(), comm=comm, period=5), wrt=nnx.Param)
+        return od.nnx_replicate((model, optimizer), N)
+
+    def train(objects, x):
+        model, optimizer = objects
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(3), (N, 4, 3))
+    results = []
+    for split in (False, True):
+        graphdef, state = make()
+        step = od.simulate(od.nnx_step(graphdef, train), donate_argnums=(0,), split_local_steps=split)
+        for _ in range(12):
+            state, loss = step(state, x)
+        results.append((state, loss))
+    _assert_same_bits(*results)
+    assert step.local_calls == 12 - 1 - 2  # not t = 0 (start check), nor the syncs at 4, 9

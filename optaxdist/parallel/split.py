@@ -27,13 +27,15 @@ class _Plan(NamedTuple):
     tables: dict[int, tuple[int, np.ndarray]]
 
 
-def _plan(args: tuple, out: Any, recorded: list[local_program.Schedule]) -> _Plan | None:
+def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) -> _Plan | None:
     """The plan of one trace, or None where the counters are not the step's own arguments and
     results (an update inside a ``lax.cond``, a ``scan``, another transform's branch; a counter
-    the step does not return): such a step always runs the general program."""
+    the step does not return): such a step always runs the general program. ``arg_leaves``: the
+    arguments' leaves as the step got them (a step may update its arguments in place, as Flax
+    NNX's ``merge`` and ``Optimizer.update`` do)."""
     if not recorded:
         return None
-    inputs = {id(x): i for i, x in enumerate(jax.tree.leaves(args))}
+    inputs = {id(x): i for i, x in enumerate(arg_leaves)}
     outputs = {id(x): i for i, x in enumerate(jax.tree.leaves(out))}
     try:
         step_in = tuple(inputs[id(r.step_in)] for r in recorded)
@@ -102,10 +104,10 @@ class SplitLocalSteps:
     def _recording(self, step: Callable[..., Any], *, local: bool) -> Callable[..., Any]:
         @functools.wraps(step)  # the configuration check follows the user's step from here
         def traced(*args: Any) -> Any:
+            leaves, treedef = jax.tree.flatten(args)  # before the step, which may update them
             with local_program.tracing(local=local) as recorded:
                 out = step(*args)
-            leaves, treedef = jax.tree.flatten(args)
-            self._plans[(local, _signature(treedef, leaves, 0))] = _plan(args, out, recorded)
+            self._plans[(local, _signature(treedef, leaves, 0))] = _plan(leaves, out, recorded)
             return out
 
         return traced

@@ -10,7 +10,7 @@ instead:
 * the **general** program, as without the option; while it is traced, each periodic update
   records a ``Schedule``: the counter it got, the counter it returns, and a function that tells
   from a counter value whether that update is a plain local step (no synchronization, no warm-up,
-  no start check, not the first step after the warm-up);
+  no start check, not the first step after the warm-up where a ``begin`` hook runs);
 * the **local** program, traced under ``tracing(local=True)``: each periodic update emits its
   local step only (the switch's branch 0, without the start check) and nothing else.
 
