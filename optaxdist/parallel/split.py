@@ -4,6 +4,7 @@ of their own (``optaxdist.transforms.local_program``), chosen on the host from t
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -28,21 +29,29 @@ class _Plan(NamedTuple):
 
 
 def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) -> _Plan | None:
-    """The plan of one trace, or None where the counters are not the step's own arguments and
-    results (an update inside a ``lax.cond``, a ``scan``, another transform's branch; a counter
-    the step does not return): such a step always runs the general program. ``arg_leaves``: the
-    arguments' leaves as the step got them (a step may update its arguments in place, as Flax
-    NNX's ``merge`` and ``Optimizer.update`` do)."""
-    if not recorded:
-        return None
+    """The plan of one trace, or None (with a warning) where the step has no periodic update, or
+    where their counters are not the step's own arguments and results (an update inside a
+    ``lax.cond``, a ``scan``, another transform's branch; a counter the step does not return):
+    such a step always runs the general program. ``arg_leaves``: the arguments' leaves as the
+    step got them (a step may update its arguments in place, as Flax NNX's ``merge`` and
+    ``Optimizer.update`` do)."""
     inputs = {id(x): i for i, x in enumerate(arg_leaves)}
     outputs = {id(x): i for i, x in enumerate(jax.tree.leaves(out))}
     try:
         step_in = tuple(inputs[id(r.step_in)] for r in recorded)
         step_out = tuple(outputs[id(r.step_out)] for r in recorded)
     except KeyError:
-        return None
-    return _Plan(step_in, step_out, tuple(r.plain_local for r in recorded), {})
+        why = "a periodic update's step counter is not one of the step's own arguments and results"
+    else:
+        if recorded:
+            return _Plan(step_in, step_out, tuple(r.plain_local for r in recorded), {})
+        why = "the step runs no periodic transform"
+    warnings.warn(
+        f"split_local_steps: {why} (inside optax.MultiSteps, a lax.scan or another transform's "
+        "branch, or a state the step does not return); every call runs the general program",
+        stacklevel=2,
+    )
+    return None
 
 
 def _signature(treedef: Any, leaves: list, leading: int) -> tuple:
