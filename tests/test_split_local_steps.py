@@ -117,14 +117,13 @@ def _assert_same_bits(a, b, exact: bool = True):
 
 
 # the default non-finite guard for every transform (SlowMo, DiLoCo's outer step with another
-# outer optimizer, in the full run); without it (the local program then fuses the update with
-# ``params + updates``) two of them, and the others in the full run
-GUARDS = [
-    pytest.param(name, "skip", marks=pytest.mark.slow if name == "slowmo" else ()) for name in sorted(CASES)
-] + [
-    pytest.param(name, "ignore", marks=() if name in ("local_sgd", "diloco") else pytest.mark.slow)
-    for name in sorted(CASES)
-]
+# outer optimizer, and gossip, which never runs the local program, in the full run); without it
+# (the local program then fuses the update with ``params + updates``) local SGD, and the others in
+# the full run
+SLOW_GUARDED = ("slowmo", "decentralized_sgd")
+SLOW = pytest.mark.slow
+GUARDS = [pytest.param(name, "skip", marks=SLOW if name in SLOW_GUARDED else ()) for name in sorted(CASES)]
+GUARDS += [pytest.param(name, "ignore", marks=() if name == "local_sgd" else SLOW) for name in sorted(CASES)]
 
 
 @pytest.mark.parametrize("name, nonfinite", GUARDS)
@@ -275,7 +274,7 @@ def test_several_periodic_transforms_in_one_step():
     assert split.local_calls == 16 - 1 - 5 - 2  # not 0 (start check), nor a sync of either
 
 
-@pytest.mark.parametrize("start", [4090, np.iinfo(np.int32).max - 3])
+@pytest.mark.parametrize("start", [pytest.param(4090, marks=pytest.mark.slow), np.iinfo(np.int32).max - 3])
 def test_counters_beyond_a_table_and_at_saturation(start, monkeypatch):
     """Schedules evaluated in tables of 4 counter values (refilled as the counters move on), and
     counters that saturate at the int32 maximum: the same numbers as the general program."""
@@ -317,6 +316,7 @@ def test_a_schedule_chosen_from_the_shapes_is_traced_again():
         _assert_same_bits(run(general, shape), run(split, shape))
 
 
+@pytest.mark.slow  # the same cause as Flax NNX's, tested below
 def test_a_step_that_updates_its_arguments_in_place():
     """A step that writes the new state into its argument (a dict here; Flax NNX's ``merge`` and
     ``Optimizer.update`` do the same with their Variables) still runs the local program."""

@@ -41,16 +41,16 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
         step_in = tuple(inputs[id(r.step_in)] for r in recorded)
         step_out = tuple(outputs[id(r.step_out)] for r in recorded)
     except KeyError:
-        why = "a periodic update's step counter is not one of the step's own arguments and results"
+        why = (
+            "a periodic update's step counter is not one of the step's own arguments and results "
+            "(an update inside optax.MultiSteps, a lax.scan or another transform's branch, or a "
+            "state the step does not return)"
+        )
     else:
         if recorded:
             return _Plan(step_in, step_out, tuple(r.plain_local for r in recorded), {})
         why = "the step runs no periodic transform"
-    warnings.warn(
-        f"split_local_steps: {why} (inside optax.MultiSteps, a lax.scan or another transform's "
-        "branch, or a state the step does not return); every call runs the general program",
-        stacklevel=2,
-    )
+    warnings.warn(f"split_local_steps: {why}; every call runs the general program", stacklevel=2)
     return None
 
 
