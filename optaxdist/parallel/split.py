@@ -19,8 +19,8 @@ TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the 
 
 class _Plan(NamedTuple):
     """Where one trace's periodic updates find and return their counters (positions in the
-    flattened arguments and results), each update's ``Schedule.plain_local``, and the tables of
-    its values computed so far (``index → (first counter, bools)``)."""
+    flattened arguments and results), each update's ``Schedule.plain_local`` (jitted once), and
+    the tables of its values computed so far (``index → (first counter, bools)``)."""
 
     step_in: tuple[int, ...]
     step_out: tuple[int, ...]
@@ -48,7 +48,7 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
         )
     else:
         if recorded:
-            return _Plan(step_in, step_out, tuple(r.plain_local for r in recorded), {})
+            return _Plan(step_in, step_out, tuple(jax.jit(r.plain_local) for r in recorded), {})
         why = "the step runs no periodic transform"
     warnings.warn(f"split_local_steps: {why}; every call runs the general program", stacklevel=2)
     return None
@@ -133,7 +133,7 @@ class SplitLocalSteps:
         if not start <= counter < start + len(table):
             start = counter
             values = np.minimum(np.arange(TABLE_SIZE, dtype=np.int64) + counter, INT32_MAX).astype(np.int32)
-            table = np.asarray(jax.jit(plan.plain_local[index])(jax.device_put(values, _table_device())))
+            table = np.asarray(plan.plain_local[index](jax.device_put(values, _table_device())))
             plan.tables[index] = (start, table)
         return bool(table[counter - start])
 
