@@ -20,7 +20,11 @@ def plot_curves(record: dict[str, Any], out: str, tag: str) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from optaxdist.bench.run import EVAL_LIMIT
+
     cm = record["cost_model"]
+    n_train = record["dataset"]["train"]
+    measured_on = "whole train set" if n_train <= EVAL_LIMIT else f"{EVAL_LIMIT} of {n_train} train examples"
     title = (
         f"{record['dataset']['name']}, {record['config']['replicas']} replicas, "
         f"{record['config']['shards']} shards"
@@ -49,7 +53,7 @@ def plot_curves(record: dict[str, Any], out: str, tag: str) -> list[str]:
                 alpha=0.85,
             )
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("train loss (whole train set)")
+        ax.set_ylabel(f"train loss ({measured_on})")
         ax.set_yscale("log")
         if name == "loss_vs_bytes":  # the rows' bytes span orders of magnitude
             ax.set_xscale("log", nonpositive="mask")
