@@ -278,12 +278,13 @@ def test_powersgd_with_model_sharding_sends_what_its_ledger_says(axes, specs):
     placed = jax.device_put(grads, {k: NamedSharding(mesh, P(od.REPLICA_AXIS, *specs[k])) for k in grads})
     s_mesh = od.on_mesh(tx.init, mesh, axis_name=od.REPLICA_AXIS)(placed)
     run = od.on_mesh(step(tx), mesh, axis_name=od.REPLICA_AXIS)
+    run_sim, run_plain = od.simulate(step(tx)), od.simulate(step(plain))
     s_sim, s_plain = od.simulate(tx.init)(grads), od.simulate(plain.init)(grads)
     for i in range(3):  # a warm-up step, then compressed ones
         g = jax.tree.map(lambda x, scale=1.0 + i: x * scale, grads)
         u_mesh, s_mesh = run(jax.device_put(g, jax.tree.map(lambda x: x.sharding, placed)), s_mesh)
-        u_sim, s_sim = od.simulate(step(tx))(g, s_sim)
-        u_plain, s_plain = od.simulate(step(plain))(g, s_plain)
+        u_sim, s_sim = run_sim(g, s_sim)
+        u_plain, s_plain = run_plain(g, s_plain)
     _close(u_mesh, u_sim, atol=1e-5)
     _close(u_sim, u_plain, atol=1e-5)
     assert s_mesh.powersgd_error[0].sharding.spec == P(
