@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optaxdist as od
 from optaxdist import topology
@@ -204,6 +206,57 @@ def test_the_local_program_has_no_collective_and_no_conditional(where, nonfinite
     assert not any(c in compiled["local"] for c in collective)
     assert "custom-call" in compiled["general"] and "custom-call" not in compiled["local"]  # start check
     assert compiled["local"].count(conditional) == (nonfinite == "skip")  # the guard's cond
+
+
+@pytest.mark.parametrize("where", ["simulate", "mesh"])
+def test_the_local_program_takes_and_returns_only_what_it_changes(where):
+    """Between synchronizations DiLoCo's anchors, its outer momentum and the ledger come back as
+    the very arrays the call got: the local program neither takes, donates nor returns them. It
+    donates the parameters and the inner state, and every number is the general program's."""
+    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+    if where == "simulate":
+        wrap, init = od.simulate, od.simulate(tx.init)
+    else:
+        mesh = jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N])
+        wrap, init = (lambda f, **kw: od.on_mesh(f, mesh, **kw)), od.on_mesh(tx.init, mesh)
+    split = wrap(_step(tx), donate_argnums=(0, 1), split_local_steps=True)
+    grads = _grads(12)
+    params, state = _params(), init(_params())
+    expected = _run(wrap(_step(tx)), tx, grads, params, state)
+    passed_through = 0
+    for g in grads:
+        kept = jax.tree.leaves((state.sync_state, state.ledger))
+        donated = jax.tree.leaves((params, state.inner_state))
+        before = split.local_calls
+        params, state = split(params, state, g)
+        if split.local_calls > before:
+            after = jax.tree.leaves((state.sync_state, state.ledger))
+            assert all(a is b and not a.is_deleted() for a, b in zip(after, kept))
+            assert all(x.is_deleted() for x in donated)
+            passed_through += 1
+    assert passed_through == split.local_calls == 12 - 1 - 2  # the first call, syncs at t = 4, 9
+    _assert_same_bits(expected, (params, state))
+
+
+def test_a_model_split_argument_gets_the_whole_local_program():
+    """Arguments split over a mesh axis beyond the replicas' (a model axis): the harness places
+    results like arguments, so the local program takes and returns every leaf."""
+    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+    auto = (jax.sharding.AxisType.Auto,) * 2  # the model axis left to the compiler
+    mesh = jax.make_mesh((N, 2), (REPLICA, "model"), devices=jax.devices()[: 2 * N], axis_types=auto)
+    split = od.on_mesh(_step(tx), mesh, axis_name=REPLICA, split_local_steps=True)
+    place = {"w": P(REPLICA, None, "model"), "b": P(REPLICA, "model")}
+    params = {k: jax.device_put(v, NamedSharding(mesh, place[k])) for k, v in _params().items()}
+    state = od.on_mesh(tx.init, mesh, axis_name=REPLICA)(params)
+    expected = _run(od.on_mesh(_step(tx), mesh, axis_name=REPLICA), tx, _grads(4), params, state)
+    for g in _grads(4):
+        anchors = jax.tree.leaves(state.sync_state.anchors)
+        params, state = split(params, state, g)
+    assert split.local_calls == 3
+    assert not any(a is b for a, b in zip(jax.tree.leaves(state.sync_state.anchors), anchors))
+    for leaf in (params["w"], state.sync_state.anchors[0]["w"]):
+        assert leaf.sharding.spec == place["w"]
+    _assert_same_bits(expected, (params, state))
 
 
 def test_fma_in_the_local_program_is_the_only_difference():

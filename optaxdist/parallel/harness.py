@@ -108,7 +108,7 @@ def simulate(
         if not jit:
             raise ValueError("split_local_steps=True needs jit=True (the host picks a compiled program)")
         build = functools.partial(simulate, axis_name=axis_name, shape=shape, donate_argnums=donate_argnums)
-        return SplitLocalSteps(build, step, leading=1)
+        return SplitLocalSteps(build, step, leading=1, donate_argnums=donate_argnums)
     names = _names(axis_name)
     if len(names) > 1 and (shape is None or len(shape) != len(names)):
         raise ValueError(f"axis_name={names} needs shape= with one size per axis, got {shape}")
@@ -353,7 +353,7 @@ def on_mesh(
         build = functools.partial(
             on_mesh, mesh=mesh, axis_name=axis_name, check_config=check_config, donate_argnums=donate_argnums
         )
-        return SplitLocalSteps(build, step, leading=1)
+        return SplitLocalSteps(build, step, leading=1, donate_argnums=donate_argnums)
     names = _names(mesh.axis_names if axis_name is None else axis_name)
     missing = [a for a in names if a not in mesh.axis_names]
     if missing:
@@ -406,7 +406,7 @@ def on_mpi(
     """
     if _split(split_local_steps):
         build = functools.partial(on_mpi, comm=comm, check_config=check_config, donate_argnums=donate_argnums)
-        return SplitLocalSteps(build, step, leading=0)
+        return SplitLocalSteps(build, step, leading=0, donate_argnums=donate_argnums)
     allgather = None
     if check_config:
         from optaxdist.comm.mpi import MpiComm
@@ -441,7 +441,7 @@ def on_node(
         build = functools.partial(
             on_node, hierarchy=hierarchy, check_config=check_config, donate_argnums=donate_argnums
         )
-        return SplitLocalSteps(build, step, leading=1)
+        return SplitLocalSteps(build, step, leading=1, donate_argnums=donate_argnums)
     if hierarchy.mesh is None or not isinstance(hierarchy.cross, CrossComm):
         raise TypeError("on_node needs the hierarchy of optaxdist.node_hierarchy()")
     spec = P(hierarchy.mesh.axis_names)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from optaxdist.transforms import local_program
 
@@ -19,13 +21,30 @@ TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the 
 
 class _Plan(NamedTuple):
     """Where one trace's periodic updates find and return their counters (positions in the
-    flattened arguments and results), each update's ``Schedule.plain_local`` (jitted once), and
-    the tables of its values computed so far (``index → (first counter, bools)``)."""
+    flattened arguments and results), each update's ``Schedule.plain_local`` (jitted once), the
+    tables of its values computed so far (``index → (first counter, bools)``), and for each
+    result the argument it returns unchanged (its position), else None."""
 
     step_in: tuple[int, ...]
     step_out: tuple[int, ...]
     plain_local: tuple[Callable[[jax.Array], jax.Array], ...]
     tables: dict[int, tuple[int, np.ndarray]]
+    forwarded: tuple[int | None, ...]
+    out_treedef: Any
+
+
+class _Pruned(NamedTuple):
+    """The local program of one signature as a function of what it reads and writes
+    (``SplitLocalSteps._pruned``): the positions of the argument leaves it takes, split into
+    those whose buffers it may reuse and the others, and for each result the argument leaf it
+    is (returned by the host, not by the program), else None."""
+
+    program: Callable[..., Any]
+    donated: tuple[int, ...]
+    kept: tuple[int, ...]
+    forwarded: tuple[int | None, ...]
+    out_treedef: Any
+    sources: tuple[int, ...]  # the forwarded arguments
 
 
 def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) -> _Plan | None:
@@ -36,7 +55,8 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
     step got them (a step may update its arguments in place, as Flax NNX's ``merge`` and
     ``Optimizer.update`` do)."""
     inputs = {id(x): i for i, x in enumerate(arg_leaves)}
-    outputs = {id(x): i for i, x in enumerate(jax.tree.leaves(out))}
+    out_leaves = jax.tree.leaves(out)
+    outputs = {id(x): i for i, x in enumerate(out_leaves)}
     try:
         step_in = tuple(inputs[id(r.step_in)] for r in recorded)
         step_out = tuple(outputs[id(r.step_out)] for r in recorded)
@@ -48,7 +68,9 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
         )
     else:
         if recorded:
-            return _Plan(step_in, step_out, tuple(jax.jit(r.plain_local) for r in recorded), {})
+            forwarded = tuple(inputs.get(id(x)) for x in out_leaves)
+            plain_local = tuple(jax.jit(r.plain_local) for r in recorded)
+            return _Plan(step_in, step_out, plain_local, {}, forwarded, jax.tree.structure(out))
         why = "the step runs no periodic transform"
     warnings.warn(f"split_local_steps: {why}; every call runs the general program", stacklevel=2)
     return None
@@ -58,9 +80,14 @@ def _signature(treedef: Any, leaves: list, leading: int) -> tuple:
     """What makes ``jax.jit`` trace the step again, as one replica's step sees it: the
     arguments' structure, and their shapes (without the ``leading`` stacked axes), dtypes and
     weak types."""
-    return treedef, tuple(
-        (np.shape(x)[leading:], getattr(x, "dtype", type(x)), getattr(x, "weak_type", False)) for x in leaves
-    )
+    return treedef, tuple(_leaf_signature(x, leading) for x in leaves)
+
+
+def _leaf_signature(x: Any, leading: int) -> tuple:
+    try:  # an array: read on every call, so the common case first
+        return x.shape[leading:], x.dtype, x.weak_type
+    except AttributeError:
+        return np.shape(x)[leading:], getattr(x, "dtype", type(x)), False
 
 
 def _host_counter(x: Any) -> int:
@@ -79,6 +106,31 @@ def _table_device() -> jax.Device:
         return jax.local_devices()[0]
 
 
+def _used_arguments(traced: Any, used_results: list[bool]) -> list[bool] | None:
+    """Which of a traced program's flattened arguments its ``used_results`` read (dead-code
+    elimination of its jaxpr), or None where that cannot be told."""
+    try:
+        from jax._src.interpreters import partial_eval as pe  # no public API runs JAX's DCE
+
+        jaxpr = traced.jaxpr.jaxpr
+        if len(jaxpr.outvars) != len(used_results):
+            return None
+        return list(pe.dce_jaxpr(jaxpr, used_results)[1])
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+def _split_over_other_axes(x: Any) -> bool:
+    """An array split over a mesh axis beyond its leading (replica) dimension: a model-sharded
+    leaf, whose results the harness places like their arguments (``on_mesh``)."""
+    sharding = getattr(x, "sharding", None)
+    return isinstance(sharding, NamedSharding) and any(e is not None for e in tuple(sharding.spec)[1:])
+
+
+class _NotAsTraced(Exception):
+    """The pruned local program's trace forwards other arguments than the full one's."""
+
+
 class SplitLocalSteps:
     """A harness step compiled twice: the general program, and the local program in which every
     periodic update of the step takes its local step only. A call runs the local program when
@@ -93,18 +145,29 @@ class SplitLocalSteps:
     trace says where the counters are. The schedules are evaluated ``TABLE_SIZE`` counter values
     at a time on the CPU.
     Arguments that are tracers (a call from inside another ``jax.jit``) run the general program.
+
+    The local program runs as a function of what it reads and writes (``_pruned``): the
+    arguments it returns unchanged (a DiLoCo anchor, a ledger between syncs) are neither passed to
+    it, donated, nor returned by it; the host puts them into the results as they came, and the
+    arguments it does not read are not passed. On a mesh each array of a call costs its dispatch
+    (per device), so a local step moves about as many arrays as a plain optax step. Not where an
+    argument is split over a mesh axis beyond the replicas' (the harness then places results
+    like arguments): there the local program takes and returns everything.
     ``local_calls`` counts the calls that ran the local program; everything else (``lower``,
     ``trace``, ``agreement``...) is the general program's.
     """
 
     def __init__(
         self,
-        build: Callable[[Callable[..., Any]], Callable[..., Any]],
+        build: Callable[..., Callable[..., Any]],
         step: Callable[..., Any],
         leading: int,
+        donate_argnums: int | Sequence[int] = (),
     ):
         self._plans: dict[tuple[bool, tuple], _Plan | None] = {}  # (local?, signature) → plan
-        self._leading = leading
+        self._pruned: dict[tuple, _Pruned | None] = {}
+        self._build, self._step, self._leading = build, step, leading
+        self._donate = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
         self._general = build(self._recording(step, local=False))
         self._local = build(self._recording(step, local=True))
         self._last: tuple[tuple, list, list[int]] | None = None  # signature, counters, values
@@ -145,6 +208,68 @@ class SplitLocalSteps:
         other = self._plans.get((True, signature))
         return other is not None and (other.step_in, other.step_out) == (plan.step_in, plan.step_out)
 
+    def _pruning(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> _Pruned | None:
+        """The local program of this signature as a function of the argument leaves it reads,
+        returning the results that are not arguments returned unchanged (built once per
+        signature; None where the full local program runs)."""
+        if signature in self._pruned:
+            return self._pruned[signature]
+        self._pruned[signature] = None
+        forwarded = self._plans[(True, signature)].forwarded
+        if any(_split_over_other_axes(x) for x in leaves):
+            return None
+        used = _used_arguments(self._local.trace(*args), [f is None for f in forwarded])
+        if used is None or len(used) != len(leaves):
+            return None
+        sources = tuple(sorted({f for f in forwarded if f is not None}))
+        placeholders = {}  # the arguments it does not read, as one replica's zeros
+        for i, x in enumerate(leaves):
+            if not used[i] and isinstance(x, jax.Array) and not x.weak_type:
+                placeholders[i] = (x.shape[self._leading :], x.dtype)
+        owner = [a for a, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+        taken = [i for i in range(len(leaves)) if i not in placeholders]
+        donated = tuple(i for i in taken if owner[i] in self._donate and i not in sources)
+        kept = tuple(i for i in taken if i not in donated)
+        step = self._step
+
+        @functools.wraps(step)
+        def pruned(donated_leaves: tuple, kept_leaves: tuple) -> tuple:
+            full: list[Any] = [None] * len(leaves)
+            for i, x in (*zip(donated, donated_leaves), *zip(kept, kept_leaves)):
+                full[i] = x
+            for i, (shape, dtype) in placeholders.items():
+                full[i] = jnp.zeros(shape, dtype)
+            with local_program.tracing(local=True):
+                out = jax.tree.leaves(step(*jax.tree.unflatten(treedef, full)))
+            # the arguments it returns unchanged are the full trace's (a placeholder may come back
+            # marked as varying over the replicas: a new tracer of the same value)
+            ids = {id(x): i for i, x in enumerate(full) if i not in placeholders}
+            if any(ids.get(id(x)) != f for x, f in zip(out, forwarded) if f not in placeholders):
+                raise _NotAsTraced
+            return tuple(x for x, f in zip(out, forwarded) if f is None)
+
+        program = self._build(pruned, donate_argnums=(0,) if donated else ())
+        out_treedef = self._plans[(True, signature)].out_treedef
+        self._pruned[signature] = _Pruned(program, donated, kept, forwarded, out_treedef, sources)
+        return self._pruned[signature]
+
+    def _run_local(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> tuple[Any, list]:
+        """The local program's results, and their leaves."""
+        pruned = self._pruning(signature, args, leaves, treedef)
+        if pruned is not None and all(isinstance(leaves[i], jax.Array) for i in pruned.sources):
+            try:
+                results = pruned.program(
+                    tuple(leaves[i] for i in pruned.donated), tuple(leaves[i] for i in pruned.kept)
+                )
+            except _NotAsTraced:  # at its first call, before any buffer is donated
+                self._pruned[signature] = None
+            else:
+                computed = iter(results)
+                out = [leaves[f] if f is not None else next(computed) for f in pruned.forwarded]
+                return jax.tree.unflatten(pruned.out_treedef, out), out
+        out = self._local(*args)
+        return out, jax.tree.leaves(out)
+
     def __call__(self, *args: Any) -> Any:
         leaves, treedef = jax.tree.flatten(args)
         signature = _signature(treedef, leaves, self._leading)
@@ -157,11 +282,14 @@ class SplitLocalSteps:
             and all(self._plain_local(plan, i, c) for i, c in enumerate(counters))
             and self._local_traces_alike(plan, signature, args)
         )
-        out = (self._local if local else self._general)(*args)
+        if local:
+            out, results = self._run_local(signature, args, leaves, treedef)
+        else:
+            out = self._general(*args)
+            results = jax.tree.leaves(out) if counters is not None else []
         self.local_calls += local
         self._last = None
         if counters is not None:
-            results = jax.tree.leaves(out)
             arrays = [results[p] for p in plan.step_out]
             self._last = (signature, arrays, [min(c + 1, INT32_MAX) for c in counters])
         return out
@@ -175,7 +303,8 @@ class SplitLocalSteps:
     def local_program(self) -> Callable[..., Any]:
         """The step with every periodic update taking its local step only (``lower`` it with a
         state at a local step: it computes what the general program computes there, up to
-        rounding, see ``optaxdist.transforms.local_program``)."""
+        rounding, see ``optaxdist.transforms.local_program``). It takes and returns every
+        argument; the calls run it as a function of what it reads and writes, where they can."""
         return self._local
 
     def __getattr__(self, name: str) -> Any:
