@@ -4,6 +4,7 @@ of their own (``optaxdist.transforms.local_program``), chosen on the host from t
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -35,9 +36,10 @@ class _Plan(NamedTuple):
 
 class _Pruned(NamedTuple):
     """The local program of one signature as a function of what it reads and writes
-    (``SplitLocalSteps._pruned``): the positions of the argument leaves it takes, split into
-    those whose buffers it may reuse and the others, and for each result the argument leaf it
-    is (returned by the host, not by the program), else None."""
+    (``SplitLocalSteps._pruning``): the positions of the argument leaves it takes, split into
+    those whose buffers it may reuse and the others; for each result the argument leaf it is
+    (returned by the host, not by the program), else None; the results that read no argument
+    (the same every call: kept by the host, ``constants``, from a call of the whole program)."""
 
     program: Callable[..., Any]
     donated: tuple[int, ...]
@@ -45,6 +47,8 @@ class _Pruned(NamedTuple):
     forwarded: tuple[int | None, ...]
     out_treedef: Any
     sources: tuple[int, ...]  # the forwarded arguments
+    constant: frozenset[int]
+    constants: dict[int, jax.Array]
 
 
 def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) -> _Plan | None:
@@ -106,18 +110,35 @@ def _table_device() -> jax.Device:
         return jax.local_devices()[0]
 
 
-def _used_arguments(traced: Any, used_results: list[bool]) -> list[bool] | None:
-    """Which of a traced program's flattened arguments its ``used_results`` read (dead-code
+def _reads(traced: Any, results: list[bool]) -> list[bool] | None:
+    """Which of a traced program's flattened arguments the ``results`` read (dead-code
     elimination of its jaxpr), or None where that cannot be told."""
     try:
         from jax._src.interpreters import partial_eval as pe  # no public API runs JAX's DCE
 
         jaxpr = traced.jaxpr.jaxpr
-        if len(jaxpr.outvars) != len(used_results):
+        if len(jaxpr.outvars) != len(results):
             return None
-        return list(pe.dce_jaxpr(jaxpr, used_results)[1])
+        return list(pe.dce_jaxpr(jaxpr, results)[1])
     except (ImportError, AttributeError, TypeError):
         return None
+
+
+def _constant_results(traced: Any, candidates: list[int], count: int) -> frozenset[int]:
+    """The ``candidates`` (result positions of ``count``) that read no argument, found by
+    bisection; none where the program has effects (a callback may return anything)."""
+    if getattr(traced.jaxpr, "effects", True):
+        return frozenset()
+    found: list[int] = []
+    groups = [candidates]
+    while groups:
+        group = groups.pop()
+        used = _reads(traced, [k in group for k in range(count)]) if group else [True]
+        if used is not None and not any(used):
+            found += group
+        elif len(group) > 1:
+            groups += [group[: len(group) // 2], group[len(group) // 2 :]]
+    return frozenset(found)
 
 
 def _split_over_other_axes(x: Any) -> bool:
@@ -218,9 +239,15 @@ class SplitLocalSteps:
         forwarded = self._plans[(True, signature)].forwarded
         if any(_split_over_other_axes(x) for x in leaves):
             return None
-        used = _used_arguments(self._local.trace(*args), [f is None for f in forwarded])
+        traced = self._local.trace(*args)
+        used = _reads(traced, [f is None for f in forwarded])
         if used is None or len(used) != len(leaves):
             return None
+        # small results that read no argument (flags, a "last sync" of 0): kept on the host
+        counters = set(self._plans[(True, signature)].step_out)
+        sizes = [math.prod(np.shape(x)[self._leading :]) for x in jax.tree.leaves(traced.out_info)]
+        scalars = [j for j, f in enumerate(forwarded) if f is None and j not in counters and sizes[j] <= 1]
+        constant = _constant_results(traced, scalars, len(forwarded))
         sources = tuple(sorted({f for f in forwarded if f is not None}))
         placeholders = {}  # the arguments it does not read, as one replica's zeros
         for i, x in enumerate(leaves):
@@ -246,17 +273,26 @@ class SplitLocalSteps:
             ids = {id(x): i for i, x in enumerate(full) if i not in placeholders}
             if any(ids.get(id(x)) != f for x, f in zip(out, forwarded) if f not in placeholders):
                 raise _NotAsTraced
-            return tuple(x for x, f in zip(out, forwarded) if f is None)
+            return tuple(x for j, (x, f) in enumerate(zip(out, forwarded)) if f is None and j not in constant)
 
         program = self._build(pruned, donate_argnums=(0,) if donated else ())
         out_treedef = self._plans[(True, signature)].out_treedef
-        self._pruned[signature] = _Pruned(program, donated, kept, forwarded, out_treedef, sources)
+        self._pruned[signature] = _Pruned(
+            program, donated, kept, forwarded, out_treedef, sources, constant, {}
+        )
         return self._pruned[signature]
 
     def _run_local(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> tuple[Any, list]:
         """The local program's results, and their leaves."""
         pruned = self._pruning(signature, args, leaves, treedef)
         if pruned is not None and all(isinstance(leaves[i], jax.Array) for i in pruned.sources):
+            held = pruned.constants
+            if len(held) < len(pruned.constant) or any(x.is_deleted() for x in held.values()):
+                # the whole program, once and again after a step that took them donated
+                out = self._local(*args)
+                results = jax.tree.leaves(out)
+                held.update((j, results[j]) for j in pruned.constant)
+                return out, results
             try:
                 results = pruned.program(
                     tuple(leaves[i] for i in pruned.donated), tuple(leaves[i] for i in pruned.kept)
@@ -265,7 +301,10 @@ class SplitLocalSteps:
                 self._pruned[signature] = None
             else:
                 computed = iter(results)
-                out = [leaves[f] if f is not None else next(computed) for f in pruned.forwarded]
+                out = [
+                    leaves[f] if f is not None else held[j] if j in held else next(computed)
+                    for j, f in enumerate(pruned.forwarded)
+                ]
                 return jax.tree.unflatten(pruned.out_treedef, out), out
         out = self._local(*args)
         return out, jax.tree.leaves(out)
