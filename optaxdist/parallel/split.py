@@ -167,13 +167,14 @@ class SplitLocalSteps:
     at a time on the CPU.
     Arguments that are tracers (a call from inside another ``jax.jit``) run the general program.
 
-    The local program runs as a function of what it reads and writes (``_pruned``): the
+    The local program runs as a function of what it reads and writes (``_pruning``): the
     arguments it returns unchanged (a DiLoCo anchor, a ledger between syncs) are neither passed to
-    it, donated, nor returned by it; the host puts them into the results as they came, and the
-    arguments it does not read are not passed. On a mesh each array of a call costs its dispatch
-    (per device), so a local step moves about as many arrays as a plain optax step. Not where an
-    argument is split over a mesh axis beyond the replicas' (the harness then places results
-    like arguments): there the local program takes and returns everything.
+    it, donated, nor returned by it; the host puts them into the results as they came. The
+    arguments it does not read are not passed, and its small results that read no argument (flags)
+    are kept from the last call of the whole program. On a mesh each array of a call costs its
+    dispatch (per device), so a local step moves about as many arrays as a plain optax step. Not
+    where an argument is split over a mesh axis beyond the replicas' (the harness then places
+    results like arguments): there the local program takes and returns everything.
     ``local_calls`` counts the calls that ran the local program; everything else (``lower``,
     ``trace``, ``agreement``...) is the general program's.
     """
