@@ -248,6 +248,47 @@ def test_the_local_program_takes_and_returns_only_what_it_changes(where):
     _assert_same_bits(expected, (params, state))
 
 
+def test_no_result_shares_a_buffer_the_caller_still_holds():
+    """Only a donated argument comes back as it came, and in one result only. A step that also
+    returns what it does not change (DiLoCo's anchors for a log, next to the state) or keeps its
+    last gradients in its state gets new buffers for them, as without the option, so no later
+    call deletes an array the caller still holds; the same array at a donated position and
+    another one is JAX's error, as without the option."""
+    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=4)
+
+    def step(params, carry, grads):
+        state, previous = carry
+        g = jax.tree.map(lambda a, b: 0.5 * (a + b), grads, previous)
+        updates, state = tx.update(g, state, params)
+        logged = {"anchors": state.sync_state.anchors[0]}
+        return od.apply_updates(params, updates, state), (state, grads), logged
+
+    split = od.simulate(step, donate_argnums=(0, 1), split_local_steps=True)
+    grads, logs = _grads(8), []
+    params = _params()
+    carry = (od.simulate(tx.init)(params), jax.tree.map(jnp.zeros_like, grads[0]))
+    for g in grads:
+        params, carry, logged = split(params, carry, g)
+        logs.append(logged)
+    assert split.local_calls == 8 - 1 - 2
+    assert not any(x.is_deleted() for x in jax.tree.leaves((logs, grads)))
+
+    def keeps(params, state, grads, best):  # ``best``: for a roll-back, not read
+        updates, state = tx.update(grads, state, params)
+        return od.apply_updates(params, updates, state), state, best
+
+    for run in (
+        od.simulate(keeps, donate_argnums=(0, 1)),
+        od.simulate(keeps, donate_argnums=(0, 1), split_local_steps=True),
+    ):
+        params = _params()
+        state, best = od.simulate(tx.init)(params), jax.tree.map(jnp.copy, params)
+        for g in grads[:2]:
+            params, state, best = run(params, state, g, best)
+        with pytest.raises(Exception, match="donated"):
+            run(best, state, grads[2], best)  # roll back
+
+
 def test_a_model_split_argument_gets_the_whole_local_program():
     """Arguments split over a mesh axis beyond the replicas' (a model axis): the harness places
     results like arguments, so the local program takes and returns every leaf."""

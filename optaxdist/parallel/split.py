@@ -3,6 +3,7 @@ of their own (``optaxdist.transforms.local_program``), chosen on the host from t
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import warnings
@@ -167,14 +168,15 @@ class SplitLocalSteps:
     at a time on the CPU.
     Arguments that are tracers (a call from inside another ``jax.jit``) run the general program.
 
-    The local program runs as a function of what it reads and writes (``_pruning``): the
-    arguments it returns unchanged (a DiLoCo anchor, a ledger between syncs) are neither passed to
-    it, donated, nor returned by it; the host puts them into the results as they came. The
-    arguments it does not read are not passed, and its small results that read no argument (flags)
-    are kept from the last call of the whole program. On a mesh each array of a call costs its
-    dispatch (per device), so a local step moves about as many arrays as a plain optax step. Not
-    where an argument is split over a mesh axis beyond the replicas' (the harness then places
-    results like arguments): there the local program takes and returns everything.
+    The local program runs as a function of what it reads and writes (``_pruning``): an argument
+    it returns unchanged (a DiLoCo anchor, a ledger between syncs) is neither donated nor returned
+    by it, if it belongs to a donated argument and comes back in one result only; the host puts
+    it into the results as it came. The arguments it does not read are not passed, and its small
+    results that read no argument (flags) are kept from the last call of the whole program. On a
+    mesh each array of a call costs its dispatch (per device), so a local step moves about as
+    many arrays as a plain optax step. Not where an argument is split over a mesh axis beyond the
+    replicas' (the harness then places results like arguments), nor for a call with one array at
+    two argument positions: there the local program takes and returns everything.
     ``local_calls`` counts the calls that ran the local program; everything else (``lower``,
     ``trace``, ``agreement``...) is the general program's.
     """
@@ -237,9 +239,17 @@ class SplitLocalSteps:
         if signature in self._pruned:
             return self._pruned[signature]
         self._pruned[signature] = None
-        forwarded = self._plans[(True, signature)].forwarded
         if any(_split_over_other_axes(x) for x in leaves):
             return None
+        owner = [a for a, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+        # an argument comes back as it came only from a donated argument (the caller gave it up:
+        # no other reference of theirs sees it again) and in one result only (two results never
+        # share a buffer); any other result is the program's own, a new buffer
+        forwarded = self._plans[(True, signature)].forwarded
+        times = collections.Counter(forwarded)
+        forwarded = tuple(
+            f if f is not None and owner[f] in self._donate and times[f] == 1 else None for f in forwarded
+        )
         traced = self._local.trace(*args)
         used = _reads(traced, [f is None for f in forwarded])
         if used is None or len(used) != len(leaves):
@@ -254,7 +264,6 @@ class SplitLocalSteps:
         for i, x in enumerate(leaves):
             if not used[i] and isinstance(x, jax.Array) and not x.weak_type:
                 placeholders[i] = (x.shape[self._leading :], x.dtype)
-        owner = [a for a, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
         taken = [i for i in range(len(leaves)) if i not in placeholders]
         donated = tuple(i for i in taken if owner[i] in self._donate and i not in sources)
         kept = tuple(i for i in taken if i not in donated)
@@ -271,8 +280,9 @@ class SplitLocalSteps:
                 out = jax.tree.leaves(step(*jax.tree.unflatten(treedef, full)))
             # the arguments it returns unchanged are the full trace's (a placeholder may come back
             # marked as varying over the replicas: a new tracer of the same value)
-            ids = {id(x): i for i, x in enumerate(full) if i not in placeholders}
-            if any(ids.get(id(x)) != f for x, f in zip(out, forwarded) if f not in placeholders):
+            ids = {id(x): i for i, x in enumerate(full)}
+            returned = [(x, f) for x, f in zip(out, forwarded) if f is not None and f not in placeholders]
+            if any(ids.get(id(x)) != f for x, f in returned):
                 raise _NotAsTraced
             return tuple(x for j, (x, f) in enumerate(zip(out, forwarded)) if f is None and j not in constant)
 
@@ -286,7 +296,12 @@ class SplitLocalSteps:
     def _run_local(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> tuple[Any, list]:
         """The local program's results, and their leaves."""
         pruned = self._pruning(signature, args, leaves, treedef)
-        if pruned is not None and all(isinstance(leaves[i], jax.Array) for i in pruned.sources):
+        # an array at two argument positions: the whole program, which donates as jax.jit does
+        if (
+            pruned is not None
+            and all(isinstance(leaves[i], jax.Array) for i in pruned.sources)
+            and len({id(x) for x in leaves}) == len(leaves)
+        ):
             held = pruned.constants
             if len(held) < len(pruned.constant) or any(x.is_deleted() for x in held.values()):
                 # the whole program, once and again after a step that took them donated
