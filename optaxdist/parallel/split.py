@@ -254,11 +254,12 @@ class SplitLocalSteps:
         used = _reads(traced, [f is None for f in forwarded])
         if used is None or len(used) != len(leaves):
             return None
-        # small results that read no argument (flags, a "last sync" of 0): kept on the host
+        # small results that read no argument (flags, a "last sync" of 0): kept on the host, where
+        # the caller donates (and so gives up the results it passes back)
         counters = set(self._plans[(True, signature)].step_out)
         sizes = [math.prod(np.shape(x)[self._leading :]) for x in jax.tree.leaves(traced.out_info)]
         scalars = [j for j, f in enumerate(forwarded) if f is None and j not in counters and sizes[j] <= 1]
-        constant = _constant_results(traced, scalars, len(forwarded))
+        constant = _constant_results(traced, scalars, len(forwarded)) if self._donate else frozenset()
         sources = tuple(sorted({f for f in forwarded if f is not None}))
         placeholders = {}  # the arguments it does not read, as one replica's zeros
         for i, x in enumerate(leaves):
