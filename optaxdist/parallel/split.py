@@ -298,24 +298,25 @@ class SplitLocalSteps:
         """The local program's results, and their leaves."""
         pruned = self._pruning(signature, args, leaves, treedef)
         # an array at two argument positions: the whole program, which donates as jax.jit does
-        if (
+        if not (
             pruned is not None
             and all(isinstance(leaves[i], jax.Array) for i in pruned.sources)
             and len({id(x) for x in leaves}) == len(leaves)
         ):
-            held = pruned.constants
-            if len(held) < len(pruned.constant) or any(x.is_deleted() for x in held.values()):
-                # the whole program, once and again after a step that took them donated
-                out = self._local(*args)
-                results = jax.tree.leaves(out)
-                held.update((j, results[j]) for j in pruned.constant)
-                return out, results
+            pruned = None
+        # the kept results come from the whole program: once, and again after a step took them
+        held = {} if pruned is None else pruned.constants
+        if (
+            pruned is not None
+            and len(held) == len(pruned.constant)
+            and not any(x.is_deleted() for x in held.values())
+        ):
             try:
                 results = pruned.program(
                     tuple(leaves[i] for i in pruned.donated), tuple(leaves[i] for i in pruned.kept)
                 )
             except _NotAsTraced:  # at its first call, before any buffer is donated
-                self._pruned[signature] = None
+                self._pruned[signature] = pruned = None
             else:
                 computed = iter(results)
                 out = [
@@ -324,7 +325,10 @@ class SplitLocalSteps:
                 ]
                 return jax.tree.unflatten(pruned.out_treedef, out), out
         out = self._local(*args)
-        return out, jax.tree.leaves(out)
+        results = jax.tree.leaves(out)
+        if pruned is not None:
+            held.update((j, results[j]) for j in pruned.constant)
+        return out, results
 
     def __call__(self, *args: Any) -> Any:
         leaves, treedef = jax.tree.flatten(args)
