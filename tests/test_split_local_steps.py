@@ -245,6 +245,11 @@ def test_the_local_program_takes_and_returns_only_what_it_changes(where):
     # at 5 and 10 where the synchronization took the flags donated
     assert split.local_calls == 12 - 1 - 2
     assert {2, 3, 6, 7, 8, 11} <= set(passed_through) <= {2, 3, 5, 6, 7, 8, 10, 11}
+    # it takes the parameters, the inner state, the counter and the gradients, not the anchors:
+    # sync_params has nothing to set on a local step
+    (pruned,) = [p for p in split._pruned.values() if p is not None]
+    reads = jax.tree.leaves((params, state.inner_state, state.step, grads[0]))
+    assert len(pruned.donated) + len(pruned.kept) == len(reads)
     _assert_same_bits(expected, (params, state))
 
 

@@ -4,8 +4,10 @@ of their own (``optaxdist.transforms.local_program``), chosen on the host from t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -19,6 +21,7 @@ from optaxdist.transforms import local_program
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the host's CPU
+_EMPTY_TABLE = (0, np.zeros(0, bool))
 
 
 class _Plan(NamedTuple):
@@ -35,7 +38,8 @@ class _Plan(NamedTuple):
     out_treedef: Any
 
 
-class _Pruned(NamedTuple):
+@dataclasses.dataclass(slots=True)
+class _Pruned:
     """The local program of one signature as a function of what it reads and writes
     (``SplitLocalSteps._pruning``): the positions of the argument leaves it takes, split into
     those whose buffers it may reuse and the others; for each result the argument leaf it is
@@ -48,8 +52,12 @@ class _Pruned(NamedTuple):
     forwarded: tuple[int | None, ...]
     out_treedef: Any
     sources: tuple[int, ...]  # the forwarded arguments
-    constant: frozenset[int]
-    constants: dict[int, jax.Array]
+    constant: tuple[int, ...]  # in order of position
+    take_donated: Callable[[list], tuple]  # the argument leaves of each group, from all of them
+    take_kept: Callable[[list], tuple]
+    # the results from (program's results, argument leaves, constants)
+    assemble: Callable[[tuple], tuple]
+    constants: tuple[jax.Array, ...] = ()  # the ``constant`` results, once a whole program ran
 
 
 def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) -> _Plan | None:
@@ -149,6 +157,30 @@ def _split_over_other_axes(x: Any) -> bool:
     return isinstance(sharding, NamedSharding) and any(e is not None for e in tuple(sharding.spec)[1:])
 
 
+_AVAL = operator.attrgetter("aval")  # an array's shape, dtype and weak type, hashable, at C speed
+
+
+class _Entry:
+    """What the calls of one signature (the arguments as given, stacked axes included) share: the
+    general program's plan, whether the local program traces alike, and the pruned program (each
+    looked up once, not at every call)."""
+
+    __slots__ = ("signature", "plan", "arrays", "alike", "pruned")
+
+    def __init__(self, signature: tuple, plan: _Plan, *, arrays: bool):
+        self.signature, self.plan, self.arrays = signature, plan, arrays  # arrays: every leaf a jax.Array
+        self.alike: bool | None = None
+        self.pruned: _Pruned | None | bool = False  # False: not looked up yet
+
+
+def _picker(positions: Sequence[int]) -> Callable[[Sequence], tuple]:
+    """A function of a sequence returning its items at ``positions``, as a tuple (at C speed)."""
+    if len(positions) == 1:
+        (position,) = positions
+        return lambda items: (items[position],)
+    return operator.itemgetter(*positions) if positions else lambda items: ()
+
+
 class _NotAsTraced(Exception):
     """The pruned local program's trace forwards other arguments than the full one's."""
 
@@ -194,7 +226,9 @@ class SplitLocalSteps:
         self._donate = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
         self._general = build(self._recording(step, local=False))
         self._local = build(self._recording(step, local=True))
-        self._last: tuple[tuple, list, list[int]] | None = None  # signature, counters, values
+        self._entries: dict[tuple, _Entry] = {}
+        self._recent: tuple[tuple, _Entry] | None = None  # the last call's key and entry
+        self._last: tuple[_Entry, list, list[int]] | None = None  # its entry, counters, values
         self.local_calls = 0
 
     def _recording(self, step: Callable[..., Any], *, local: bool) -> Callable[..., Any]:
@@ -204,19 +238,46 @@ class SplitLocalSteps:
             with local_program.tracing(local=local) as recorded:
                 out = step(*args)
             self._plans[(local, _signature(treedef, leaves, 0))] = _plan(leaves, out, recorded)
+            if not local:  # a new trace of the general program: the entries look up its plan again
+                self._entries.clear()
+                self._recent = None
             return out
 
         return traced
 
-    def _counters(self, plan: _Plan, signature: tuple, leaves: list) -> list[int]:
+    def _entry(self, treedef: Any, leaves: list) -> _Entry | None:
+        """The calls' shared lookups for this call's signature, or None before the general program
+        was traced for it (or for a call with tracers: it runs the general program)."""
+        if any(issubclass(kind, jax.core.Tracer) for kind in set(map(type, leaves))):
+            return None
+        try:  # arrays
+            key = (treedef, tuple(map(_AVAL, leaves)))
+        except AttributeError:  # NumPy arrays, Python scalars: the signature is the key
+            key = None
+        if key is not None and self._recent is not None and self._recent[0] == key:
+            entry = self._recent[1]  # outputs of one program share their avals: no hashing
+        else:
+            entry = self._entries.get(key) if key is not None else None
+        if entry is None:
+            signature = _signature(treedef, leaves, self._leading)
+            plan = self._plans.get((False, signature))
+            if plan is None:
+                return None
+            entry = _Entry(signature, plan, arrays=key is not None)
+            if key is not None:
+                self._entries[key] = entry
+        self._recent = None if key is None else (key, entry)
+        return entry
+
+    def _counters(self, entry: _Entry, leaves: list) -> list[int]:
         if self._last is not None:
-            last_signature, arrays, values = self._last
-            if last_signature == signature and all(leaves[p] is a for p, a in zip(plan.step_in, arrays)):
+            last_entry, arrays, values = self._last
+            if last_entry is entry and all(leaves[p] is a for p, a in zip(entry.plan.step_in, arrays)):
                 return values
-        return [_host_counter(leaves[p]) for p in plan.step_in]
+        return [_host_counter(leaves[p]) for p in entry.plan.step_in]
 
     def _plain_local(self, plan: _Plan, index: int, counter: int) -> bool:
-        start, table = plan.tables.get(index, (0, np.zeros(0, bool)))
+        start, table = plan.tables.get(index, _EMPTY_TABLE)
         if not start <= counter < start + len(table):
             start = counter
             values = np.minimum(np.arange(TABLE_SIZE, dtype=np.int64) + counter, INT32_MAX).astype(np.int32)
@@ -224,13 +285,15 @@ class SplitLocalSteps:
             plan.tables[index] = (start, table)
         return bool(table[counter - start])
 
-    def _local_traces_alike(self, plan: _Plan, signature: tuple, args: tuple) -> bool:
+    def _local_traces_alike(self, entry: _Entry, args: tuple) -> bool:
         """The local program finds and returns the counters where the general one does (traced
         once per signature, before its first call)."""
-        if (True, signature) not in self._plans:
-            self._local.trace(*args)
-        other = self._plans.get((True, signature))
-        return other is not None and (other.step_in, other.step_out) == (plan.step_in, plan.step_out)
+        if entry.alike is None:
+            if (True, entry.signature) not in self._plans:
+                self._local.trace(*args)
+            other, plan = self._plans.get((True, entry.signature)), entry.plan
+            entry.alike = other is not None and other[:2] == plan[:2]  # step_in, step_out
+        return entry.alike
 
     def _pruning(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> _Pruned | None:
         """The local program of this signature as a function of the argument leaves it reads,
@@ -259,7 +322,7 @@ class SplitLocalSteps:
         counters = set(self._plans[(True, signature)].step_out)
         sizes = [math.prod(np.shape(x)[self._leading :]) for x in jax.tree.leaves(traced.out_info)]
         scalars = [j for j, f in enumerate(forwarded) if f is None and j not in counters and sizes[j] <= 1]
-        constant = _constant_results(traced, scalars, len(forwarded)) if self._donate else frozenset()
+        constant = tuple(sorted(_constant_results(traced, scalars, len(forwarded)))) if self._donate else ()
         sources = tuple(sorted({f for f in forwarded if f is not None}))
         placeholders = {}  # the arguments it does not read, as one replica's zeros
         for i, x in enumerate(leaves):
@@ -289,69 +352,74 @@ class SplitLocalSteps:
 
         program = self._build(pruned, donate_argnums=(0,) if donated else ())
         out_treedef = self._plans[(True, signature)].out_treedef
+        computed = [j for j, f in enumerate(forwarded) if f is None and j not in constant]
+        origin = {j: k for k, j in enumerate(computed)}
+        origin |= {j: len(computed) + f for j, f in enumerate(forwarded) if f is not None}
+        origin |= {j: len(computed) + len(leaves) + k for k, j in enumerate(constant)}
         self._pruned[signature] = _Pruned(
-            program, donated, kept, forwarded, out_treedef, sources, constant, {}
+            program,
+            donated,
+            kept,
+            forwarded,
+            out_treedef,
+            sources,
+            constant,
+            _picker(donated),
+            _picker(kept),
+            _picker([origin[j] for j in range(len(forwarded))]),
         )
         return self._pruned[signature]
 
-    def _run_local(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> tuple[Any, list]:
+    def _run_local(self, entry: _Entry, args: tuple, leaves: list, treedef: Any) -> tuple[Any, list]:
         """The local program's results, and their leaves."""
-        pruned = self._pruning(signature, args, leaves, treedef)
+        if entry.pruned is False:
+            entry.pruned = self._pruning(entry.signature, args, leaves, treedef)
+        pruned = entry.pruned
         # an array at two argument positions: the whole program, which donates as jax.jit does
         if not (
             pruned is not None
-            and all(isinstance(leaves[i], jax.Array) for i in pruned.sources)
-            and len({id(x) for x in leaves}) == len(leaves)
+            and (entry.arrays or all(isinstance(leaves[i], jax.Array) for i in pruned.sources))
+            and len(set(map(id, leaves))) == len(leaves)
         ):
             pruned = None
         # the kept results come from the whole program: once, and again after a step took them
-        held = {} if pruned is None else pruned.constants
         if (
             pruned is not None
-            and len(held) == len(pruned.constant)
-            and not any(x.is_deleted() for x in held.values())
+            and len(pruned.constants) == len(pruned.constant)
+            and not any(x.is_deleted() for x in pruned.constants)
         ):
             try:
-                results = pruned.program(
-                    tuple(leaves[i] for i in pruned.donated), tuple(leaves[i] for i in pruned.kept)
-                )
+                results = pruned.program(pruned.take_donated(leaves), pruned.take_kept(leaves))
             except _NotAsTraced:  # at its first call, before any buffer is donated
-                self._pruned[signature] = pruned = None
+                self._pruned[entry.signature] = entry.pruned = pruned = None
             else:
-                computed = iter(results)
-                out = [
-                    leaves[f] if f is not None else held[j] if j in held else next(computed)
-                    for j, f in enumerate(pruned.forwarded)
-                ]
+                out = pruned.assemble((*results, *leaves, *pruned.constants))
                 return jax.tree.unflatten(pruned.out_treedef, out), out
         out = self._local(*args)
         results = jax.tree.leaves(out)
         if pruned is not None:
-            held.update((j, results[j]) for j in pruned.constant)
+            pruned.constants = tuple(results[j] for j in pruned.constant)
         return out, results
 
     def __call__(self, *args: Any) -> Any:
         leaves, treedef = jax.tree.flatten(args)
-        signature = _signature(treedef, leaves, self._leading)
-        plan = self._plans.get((False, signature))
-        counters = None
-        if plan is not None and not any(isinstance(x, jax.core.Tracer) for x in leaves):
-            counters = self._counters(plan, signature, leaves)
+        entry = self._entry(treedef, leaves)
+        counters = None if entry is None else self._counters(entry, leaves)
         local = (
-            counters is not None
-            and all(self._plain_local(plan, i, c) for i, c in enumerate(counters))
-            and self._local_traces_alike(plan, signature, args)
+            entry is not None
+            and all(self._plain_local(entry.plan, i, c) for i, c in enumerate(counters))
+            and self._local_traces_alike(entry, args)
         )
         if local:
-            out, results = self._run_local(signature, args, leaves, treedef)
+            out, results = self._run_local(entry, args, leaves, treedef)
         else:
             out = self._general(*args)
-            results = jax.tree.leaves(out) if counters is not None else []
+            results = jax.tree.leaves(out) if entry is not None else []
         self.local_calls += local
         self._last = None
-        if counters is not None:
-            arrays = [results[p] for p in plan.step_out]
-            self._last = (signature, arrays, [min(c + 1, INT32_MAX) for c in counters])
+        if entry is not None:
+            arrays = [results[p] for p in entry.plan.step_out]
+            self._last = (entry, arrays, [min(c + 1, INT32_MAX) for c in counters])
         return out
 
     @property
