@@ -22,6 +22,7 @@ from optaxdist.transforms import local_program
 INT32_MAX = int(np.iinfo(np.int32).max)
 TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the host's CPU
 _EMPTY_TABLE = (0, np.zeros(0, bool))
+CHAINS = 8  # states whose counters are counted on the host at once (a run, its evaluation...)
 
 
 class _Plan(NamedTuple):
@@ -194,7 +195,8 @@ class SplitLocalSteps:
     of stacked axes the harness's arguments have in front of one replica's (1, or 0 under MPI).
     The counters are kept on the host. They are read from the arguments (one blocking read of a
     scalar per transform) on the first call after the step's first trace, and whenever a call's
-    counters are not the arrays the previous call returned; otherwise they are counted. A call
+    counters are not arrays one of the last ``CHAINS`` calls returned; otherwise they are counted
+    (so that interleaved runs of one step, such as training and evaluation, read none). A call
     with arguments of a new signature (structure, shapes, dtypes) runs the general program: its
     trace says where the counters are. The schedules are evaluated ``TABLE_SIZE`` counter values
     at a time on the CPU.
@@ -228,7 +230,8 @@ class SplitLocalSteps:
         self._local = build(self._recording(step, local=True))
         self._entries: dict[tuple, _Entry] = {}
         self._recent: tuple[tuple, _Entry] | None = None  # the last call's key and entry
-        self._last: tuple[_Entry, list, list[int]] | None = None  # its entry, counters, values
+        # the counters the last calls returned: id of the first → (entry, counter arrays, values)
+        self._counted: dict[int, tuple[_Entry, list, list[int]]] = {}  # in order of insertion
         self.local_calls = 0
 
     def _recording(self, step: Callable[..., Any], *, local: bool) -> Callable[..., Any]:
@@ -270,11 +273,13 @@ class SplitLocalSteps:
         return entry
 
     def _counters(self, entry: _Entry, leaves: list) -> list[int]:
-        if self._last is not None:
-            last_entry, arrays, values = self._last
-            if last_entry is entry and all(leaves[p] is a for p, a in zip(entry.plan.step_in, arrays)):
+        step_in = entry.plan.step_in
+        known = self._counted.get(id(leaves[step_in[0]]))
+        if known is not None:
+            known_entry, arrays, values = known
+            if known_entry is entry and all(leaves[p] is a for p, a in zip(step_in, arrays)):
                 return values
-        return [_host_counter(leaves[p]) for p in entry.plan.step_in]
+        return [_host_counter(leaves[p]) for p in step_in]
 
     def _plain_local(self, plan: _Plan, index: int, counter: int) -> bool:
         start, table = plan.tables.get(index, _EMPTY_TABLE)
@@ -416,10 +421,11 @@ class SplitLocalSteps:
             out = self._general(*args)
             results = jax.tree.leaves(out) if entry is not None else []
         self.local_calls += local
-        self._last = None
         if entry is not None:
             arrays = [results[p] for p in entry.plan.step_out]
-            self._last = (entry, arrays, [min(c + 1, INT32_MAX) for c in counters])
+            self._counted[id(arrays[0])] = (entry, arrays, [min(c + 1, INT32_MAX) for c in counters])
+            if len(self._counted) > CHAINS:
+                self._counted.pop(next(iter(self._counted)))
         return out
 
     @property

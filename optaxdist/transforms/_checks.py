@@ -12,6 +12,7 @@ import optax
 
 from optaxdist.accounting import keep_ledgers
 from optaxdist.comm.base import Communicator
+from optaxdist.transforms.local_program import local_only
 
 
 def find_states(tree: Any, cls: type | tuple[type, ...]) -> list:
@@ -176,7 +177,8 @@ def local_step(
       backed off) keeps its new state. Ledgers in the inner state keep counting (an inner
       collective that ran still sent its bytes). Cost: one reading pass over the update (and the
       state's arrays; a sum per leaf, see ``all_finite``); the select of the update and the inner
-      state runs in a ``lax.cond`` only on a step where some replica is not finite.
+      state runs in a ``lax.cond`` only on a step where some replica is not finite (in the
+      program of local steps of ``split_local_steps``: selects, on every step).
     * ``"ignore"``: ``inner.update`` as it is, at no cost: for inner optimizers that guard
       themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``) or runs that accept that a
       non-finite gradient poisons the average.
@@ -197,6 +199,11 @@ def local_step(
         kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, inner_state)
         return vary(skipped), vary(keep_ledgers(kept, new_state))
 
+    if local_only():
+        # a harness's program of local steps: the selects fuse with what reads the update and the
+        # state, where a conditional is a pass of its own (on a GPU, a read of its predicate on
+        # the host)
+        return skip_where_not_finite(None)
     # ``uniform(~ok)``: some replica of this program is not finite (under simulate any of the
     # vmapped ones, elsewhere this one); only then do the per-replica selects run
     return jax.lax.cond(
