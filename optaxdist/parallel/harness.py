@@ -214,7 +214,7 @@ def _check_replica_placement(args: tuple, mesh: Mesh, names: tuple[str, ...]) ->
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, NamedSharding):
             return None
-        return _misplaced_sharding(sharding, np.ndim(leaf), names)
+        return _misplaced_sharding(sharding, leaf.ndim, names)  # an array (has a sharding)
 
     if not any(bad(leaf) for leaf in jax.tree.leaves(args)):
         return
