@@ -286,6 +286,9 @@ def test_the_local_program_takes_and_returns_only_what_it_changes(where):
     (pruned,) = [p for p in split._pruned.values() if p is not None]
     reads = jax.tree.leaves((params, state.inner_state, state.step, grads[0]))
     assert len(pruned.donated) + len(pruned.kept) == len(reads)
+    args = (params, state, grads[0])
+    lowered, whole = split.lower_local(*args), split.local_program.lower(*args)
+    assert len(jax.tree.leaves(lowered.args_info)) == len(reads) < len(jax.tree.leaves(whole.args_info))
     _assert_same_bits(expected, (params, state))
 
 

@@ -474,7 +474,7 @@ def measure_case(
     local_compile_s = local_compiled = None
     if split:
         t0 = time.perf_counter()
-        local_compiled = ours.local_program.lower(params, local_state, grads).compile()
+        local_compiled = ours.lower_local(params, local_state, grads).compile()
         local_compile_s = time.perf_counter() - t0
     _check_schedule(case, ours, params, local_state, sync_state, grads)
     calls = {
@@ -747,13 +747,19 @@ def _mb(nbytes: int | None) -> str:
     return "–" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
+def _local_mb(row: Mapping[str, Any]) -> str:
+    local = row.get("local_program_step_bytes")
+    return "" if local is None else f" ({_mb(local)})"
+
+
 def format_local_steps(section: Mapping[str, Any]) -> str:
     """Markdown tables: the timing rows, then state bytes per parameter byte."""
     out = ["every step donates its parameters and state (--donate)", ""] if section.get("donate") else []
     if section.get("split"):
         out += [
             "the transforms' steps run under split_local_steps=True (--split-local-steps): local "
-            "steps timed in a chain of calls; compile s: general program + local program",
+            "steps timed in a chain of calls; compile s: general program + local program; step MB: "
+            "general program (the local program a local call runs) / plain",
             "",
         ]
     out += [
@@ -770,7 +776,7 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
             f"{r['local_ms']:.3f} | {r['plain_ms']:.3f} | {r['local_ratio']:.2f} | "
             f"{r['hand_local_ms']:.3f} | {r['local_hand_ratio']:.2f} | {r['sync_ms']:.3f} | "
             f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {_compile(r)} | "
-            f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('step_bytes'))} / "
+            f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('step_bytes'))}{_local_mb(r)} / "
             f"{_mb(r.get('plain_step_bytes'))} | {_mb(r.get('peak_bytes_in_use'))} |"
         )
     out += [

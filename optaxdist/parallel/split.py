@@ -428,6 +428,22 @@ class SplitLocalSteps:
                 self._counted.pop(next(iter(self._counted)))
         return out
 
+    def lower_local(self, *args: Any) -> Any:
+        """The program a local call with these arguments runs, lowered (``jax.stages.Lowered``):
+        the local program as a function of what it reads and writes where that applies (its
+        memory analysis is what a local step holds), else the whole local program."""
+        leaves, treedef = jax.tree.flatten(args)
+        entry = self._entry(treedef, leaves)
+        if entry is None:
+            self._general.trace(*args)  # a plan for this signature
+            entry = self._entry(treedef, leaves)
+        pruned = None
+        if entry is not None and self._local_traces_alike(entry, args):
+            pruned = self._pruning(entry.signature, args, leaves, treedef)
+        if pruned is None:
+            return self._local.lower(*args)
+        return pruned.program.lower(pruned.take_donated(leaves), pruned.take_kept(leaves))
+
     @property
     def general_program(self) -> Callable[..., Any]:
         """The step as the harness compiles it without ``split_local_steps``."""
