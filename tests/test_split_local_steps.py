@@ -157,6 +157,30 @@ def test_non_finite_gradients_are_skipped_in_the_local_program(name):
     _assert_same_bits(expected, got, exact)
 
 
+def test_the_guard_runs_an_inner_collective_once():
+    """The local program's guard computes the update a second time (so that its sums need not
+    write it to memory) only where the inner update sends nothing: an inner that all-reduces
+    (a node-level average in a hierarchy) all-reduces once per local step, as a plain step."""
+    mesh = jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N])
+    inner = optax.chain(od.allreduce(comm=od.AxisComm(REPLICA)), optax.sgd(0.1))
+    tx = od.local_sgd(inner, comm=od.AxisComm(REPLICA), period=5)
+    split = od.on_mesh(_step(tx), mesh, donate_argnums=(0, 1), split_local_steps=True)
+    params, state = _params(), od.on_mesh(tx.init, mesh)(_params())
+    grads = _grads(3)
+    for g in grads:
+        params, state = split(params, state, g)
+    assert split.local_calls == 2
+    ours = split.lower_local(params, state, grads[0]).compile().as_text()
+    plain = od.on_mesh(_step(inner), mesh).lower(params, state.inner_state, grads[0]).compile().as_text()
+
+    # XLA combines all-reduces into one: count the arrays they reduce
+    def reduced(hlo: str) -> int:
+        lines = [line for line in hlo.splitlines() if " all-reduce(" in line]
+        return sum(line.split(" all-reduce(")[0].count("[") for line in lines)
+
+    assert reduced(ours) == reduced(plain) == 2
+
+
 def test_a_state_from_elsewhere_is_read_again():
     """A state that is not the previous call's result (a restored checkpoint, the same state
     twice) has its counters read from the device: the schedule stays right."""

@@ -146,6 +146,34 @@ def check_nonfinite(nonfinite: str) -> None:
         raise ValueError(f"nonfinite={nonfinite!r}; allowed: {NONFINITE_POLICIES}")
 
 
+def _runs_alone(inner: optax.GradientTransformationExtraArgs, *args: Any) -> bool:
+    """Whether ``inner.update(*args[:3], **args[3])`` has no effect and no collective (a
+    primitive naming a mapped axis), so that running it twice costs no communication."""
+    updates, state, params, extra = args
+    avals = jax.tree.map(jax.typeof, (updates, state, params, extra))
+    structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type), avals)
+    try:
+        traced = jax.make_jaxpr(lambda u, s, p, e: inner.update(u, s, p, **e))(*structs)
+    except Exception:  # noqa: BLE001 (anything it cannot trace alone runs once)
+        return False
+    return not traced.effects and not _names_an_axis(traced.jaxpr)
+
+
+def _names_an_axis(jaxpr: Any) -> bool:
+    """A primitive of ``jaxpr`` (or of a jaxpr in its parameters) takes a named axis."""
+    for eqn in jaxpr.eqns:
+        for key in ("axis_name", "axes"):
+            names = eqn.params.get(key)
+            if any(isinstance(n, str) for n in (names if isinstance(names, tuple) else (names,))):
+                return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns") and _names_an_axis(sub):
+                    return True
+    return False
+
+
 def local_step(
     inner: optax.GradientTransformationExtraArgs,
     updates,
@@ -200,9 +228,15 @@ def local_step(
         return vary(skipped), vary(keep_ledgers(kept, new_state))
 
     if local_only():
-        # a harness's program of local steps: the selects fuse with what reads the update and the
-        # state, where a conditional is a pass of its own (on a GPU, a read of its predicate on
-        # the host)
+        # a harness's program of local steps: selects, which fuse with what reads the update and
+        # the state, where a conditional is a pass of its own (on a GPU, a read of its predicate
+        # on the host). The update is computed a second time, from inputs the sums cannot share:
+        # XLA then reads the inputs for the sums without writing the update to memory, and the
+        # step writes what a plain step writes. Not where that would run a collective twice.
+        if _runs_alone(inner, updates, inner_state, params, extra):
+            again = jax.lax.optimization_barrier((updates, inner_state, params, ok))
+            updates, inner_state, params, ok = again
+            new_updates, new_state = inner.update(updates, inner_state, params, **extra)
         return skip_where_not_finite(None)
     # ``uniform(~ok)``: some replica of this program is not finite (under simulate any of the
     # vmapped ones, elsewhere this one); only then do the per-replica selects run
