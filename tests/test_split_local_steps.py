@@ -11,6 +11,8 @@ synchronization run by the local program would be off by far more).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,8 +216,74 @@ def test_interleaved_runs_are_counted_without_reading(monkeypatch):
     runs = [(_params(), od.simulate(tx.init)(_params())) for _ in range(2)]
     for g in grads:
         runs = [split(params, state, g) for params, state in runs]
+        runs[1] = split(*runs[1], jax.tree.map(np.asarray, g))  # and a NumPy batch
     assert len(reads) == 2
-    _assert_same_bits(_run(od.simulate(_step(tx)), tx, grads), runs[1])
+    _assert_same_bits(_run(od.simulate(_step(tx)), tx, [g for g in grads for _ in range(2)]), runs[1])
+
+
+def test_runs_of_two_sizes_keep_their_own_results():
+    """Runs of 4 and 8 replicas on one harness, in turn: each gets the results the host keeps
+    for its own arguments (shapes with its number of replicas), and lowering the local program
+    for shapes alone does not change what a call runs."""
+    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+    split = od.simulate(_step(tx), donate_argnums=(0, 1), split_local_steps=True)
+    one = jax.tree.map(lambda x: x[0], (_params(), _grads(4)))
+    runs = {n: (od.replicate(one[0], n), od.simulate(tx.init)(od.replicate(one[0], n))) for n in (N, 2 * N)}
+    split.lower_local(*jax.eval_shape(lambda: (*runs[N], od.replicate(one[1][0], N))))
+    for g in one[1]:
+        for n, (params, state) in runs.items():
+            runs[n] = split(params, state, od.replicate(g, n))
+            assert all(x.shape[0] == n for x in jax.tree.leaves(runs[n]))
+    assert split.local_calls == 6
+    (pruned,) = [p for p in split._pruned.values() if p is not None]
+    assert len(pruned.donated) + len(pruned.kept) < len(jax.tree.leaves((*runs[N], one[1][0])))
+
+
+def test_a_kept_result_passed_back_to_be_donated_is_computed_again():
+    """A result that reads no argument (an inner state's scalar reset to a constant) is kept on
+    the host; when the next call passes it back where the local program reads and donates it,
+    that call computes it again: no result is an array the call deleted."""
+
+    class Flag(NamedTuple):
+        flag: jax.Array
+
+    def update(u, s, p=None):
+        return jax.tree.map(lambda g: -0.125 * g * (1 + s.flag), u), Flag(jnp.zeros((), jnp.float32))
+
+    inner = optax.GradientTransformation(lambda p: Flag(jnp.ones((), jnp.float32)), update)
+    tx = od.local_sgd(inner, comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+
+    def step(params, state, grads):
+        params, state = _step(tx)(params, state, grads)
+        return params, state, jnp.sum(grads["b"])
+
+    split = od.simulate(step, donate_argnums=(0, 1), split_local_steps=True)
+    params, state = _params(), od.simulate(tx.init)(_params())
+    for g in _grads(8):
+        params, state, metric = split(params, state, g)
+        assert not any(x.is_deleted() for x in jax.tree.leaves((params, state, metric)))
+    assert split.local_calls >= 4
+
+
+def test_a_jitted_helper_is_exact_in_both_programs():
+    """``optaxdist.apply_updates`` inside the user's own ``jax.jit``: JAX traces it once and
+    reuses it in both programs, whichever is traced first; the replicas still hold the same bits
+    after each synchronization."""
+    tx = od.local_sgd(optax.sgd(0.37), comm=od.AxisComm(REPLICA), period=3, nonfinite="ignore")
+    apply = jax.jit(od.apply_updates)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return apply(params, updates, state), state
+
+    grads = [jax.tree.map(lambda g: 1000 * g, g) for g in _grads(6)]
+    split = od.simulate(step, split_local_steps=True)
+    params, state = _params(), od.simulate(tx.init)(_params())
+    split.local_program.lower(params, state, grads[0])  # the local program traced first
+    for g in grads:
+        params, state = split(params, state, g)
+    assert split.local_calls == 3
+    assert all(np.array_equal(x[0], x[i]) for x in map(np.asarray, jax.tree.leaves(params)) for i in range(N))
 
 
 def test_updates_the_harness_cannot_see_run_the_general_program():

@@ -22,7 +22,7 @@ from optaxdist.transforms import local_program
 INT32_MAX = int(np.iinfo(np.int32).max)
 TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the host's CPU
 _EMPTY_TABLE = (0, np.zeros(0, bool))
-CHAINS = 8  # states whose counters are counted on the host at once (a run, its evaluation...)
+CHAINS = 8  # runs of one step whose counters are counted on the host at once (training, evaluation...)
 
 
 class _Plan(NamedTuple):
@@ -45,12 +45,12 @@ class _Pruned:
     (``SplitLocalSteps._pruning``): the positions of the argument leaves it takes, split into
     those whose buffers it may reuse and the others; for each result the argument leaf it is
     (returned by the host, not by the program), else None; the results that read no argument
-    (the same every call: kept by the host, ``constants``, from a call of the whole program)."""
+    (the same every call: kept by the host, ``_Entry.constants``, from a call of the whole
+    program)."""
 
     program: Callable[..., Any]
     donated: tuple[int, ...]
     kept: tuple[int, ...]
-    forwarded: tuple[int | None, ...]
     out_treedef: Any
     sources: tuple[int, ...]  # the forwarded arguments
     constant: tuple[int, ...]  # in order of position
@@ -58,7 +58,6 @@ class _Pruned:
     take_kept: Callable[[list], tuple]
     # the results from (program's results, argument leaves, constants)
     assemble: Callable[[tuple], tuple]
-    constants: tuple[jax.Array, ...] = ()  # the ``constant`` results, once a whole program ran
 
 
 def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) -> _Plan | None:
@@ -158,20 +157,21 @@ def _split_over_other_axes(x: Any) -> bool:
     return isinstance(sharding, NamedSharding) and any(e is not None for e in tuple(sharding.spec)[1:])
 
 
-_AVAL = operator.attrgetter("aval")  # an array's shape, dtype and weak type, hashable, at C speed
+_AVAL = operator.attrgetter("aval")  # an array's abstract value (shape, dtype, weak type...), at C speed
 
 
 class _Entry:
     """What the calls of one signature (the arguments as given, stacked axes included) share: the
-    general program's plan, whether the local program traces alike, and the pruned program (each
-    looked up once, not at every call)."""
+    general program's plan, whether the local program traces alike, the pruned program, and the
+    results it keeps on the host (``constants``, from the last call of the whole local program)."""
 
-    __slots__ = ("signature", "plan", "arrays", "alike", "pruned")
+    __slots__ = ("signature", "plan", "arrays", "alike", "pruned", "constants")
 
     def __init__(self, signature: tuple, plan: _Plan, *, arrays: bool):
         self.signature, self.plan, self.arrays = signature, plan, arrays  # arrays: every leaf a jax.Array
         self.alike: bool | None = None
         self.pruned: _Pruned | None | bool = False  # False: not looked up yet
+        self.constants: tuple[jax.Array, ...] = ()
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence], tuple]:
@@ -195,8 +195,9 @@ class SplitLocalSteps:
     of stacked axes the harness's arguments have in front of one replica's (1, or 0 under MPI).
     The counters are kept on the host. They are read from the arguments (one blocking read of a
     scalar per transform) on the first call after the step's first trace, and whenever a call's
-    counters are not arrays one of the last ``CHAINS`` calls returned; otherwise they are counted
-    (so that interleaved runs of one step, such as training and evaluation, read none). A call
+    counters are not arrays a call returned and no call took since (up to ``CHAINS`` such states);
+    otherwise they are counted (so that runs taking turns with one step, such as training and
+    evaluation, read nothing after their first call). A call
     with arguments of a new signature (structure, shapes, dtypes) runs the general program: its
     trace says where the counters are. The schedules are evaluated ``TABLE_SIZE`` counter values
     at a time on the CPU.
@@ -230,8 +231,8 @@ class SplitLocalSteps:
         self._local = build(self._recording(step, local=True))
         self._entries: dict[tuple, _Entry] = {}
         self._recent: tuple[tuple, _Entry] | None = None  # the last call's key and entry
-        # the counters the last calls returned: id of the first → (entry, counter arrays, values)
-        self._counted: dict[int, tuple[_Entry, list, list[int]]] = {}  # in order of insertion
+        # the counters calls returned and no call took yet: id of the first → (plan, arrays, values)
+        self._counted: dict[int, tuple[_Plan, list, list[int]]] = {}  # in order of insertion
         self.local_calls = 0
 
     def _recording(self, step: Callable[..., Any], *, local: bool) -> Callable[..., Any]:
@@ -254,30 +255,28 @@ class SplitLocalSteps:
         if any(issubclass(kind, jax.core.Tracer) for kind in set(map(type, leaves))):
             return None
         try:  # arrays
-            key = (treedef, tuple(map(_AVAL, leaves)))
-        except AttributeError:  # NumPy arrays, Python scalars: the signature is the key
-            key = None
-        if key is not None and self._recent is not None and self._recent[0] == key:
+            key, arrays = (treedef, tuple(map(_AVAL, leaves))), True
+        except AttributeError:  # NumPy arrays, Python scalars: their signature, stacked axes included
+            key, arrays = ("signature", _signature(treedef, leaves, 0)), False
+        if self._recent is not None and self._recent[0] == key:
             entry = self._recent[1]  # outputs of one program share their avals: no hashing
         else:
-            entry = self._entries.get(key) if key is not None else None
+            entry = self._entries.get(key)
         if entry is None:
             signature = _signature(treedef, leaves, self._leading)
             plan = self._plans.get((False, signature))
             if plan is None:
                 return None
-            entry = _Entry(signature, plan, arrays=key is not None)
-            if key is not None:
-                self._entries[key] = entry
-        self._recent = None if key is None else (key, entry)
+            entry = self._entries[key] = _Entry(signature, plan, arrays=arrays)
+        self._recent = (key, entry)
         return entry
 
     def _counters(self, entry: _Entry, leaves: list) -> list[int]:
         step_in = entry.plan.step_in
-        known = self._counted.get(id(leaves[step_in[0]]))
+        known = self._counted.pop(id(leaves[step_in[0]]), None)  # the chain goes on from this call
         if known is not None:
-            known_entry, arrays, values = known
-            if known_entry is entry and all(leaves[p] is a for p, a in zip(step_in, arrays)):
+            plan, arrays, values = known
+            if plan is entry.plan and all(leaves[p] is a for p, a in zip(step_in, arrays)):
                 return values
         return [_host_counter(leaves[p]) for p in step_in]
 
@@ -365,7 +364,6 @@ class SplitLocalSteps:
             program,
             donated,
             kept,
-            forwarded,
             out_treedef,
             sources,
             constant,
@@ -388,22 +386,25 @@ class SplitLocalSteps:
         ):
             pruned = None
         # the kept results come from the whole program: once, and again after a step took them
+        # (deleted, or about to be: passed back where the program reads and donates)
+        constants = entry.constants
         if (
             pruned is not None
-            and len(pruned.constants) == len(pruned.constant)
-            and not any(x.is_deleted() for x in pruned.constants)
+            and len(constants) == len(pruned.constant)
+            and not any(x.is_deleted() for x in constants)
+            and not (constants and {id(x) for x in pruned.take_donated(leaves)} & set(map(id, constants)))
         ):
             try:
                 results = pruned.program(pruned.take_donated(leaves), pruned.take_kept(leaves))
             except _NotAsTraced:  # at its first call, before any buffer is donated
                 self._pruned[entry.signature] = entry.pruned = pruned = None
             else:
-                out = pruned.assemble((*results, *leaves, *pruned.constants))
+                out = pruned.assemble((*results, *leaves, *constants))
                 return jax.tree.unflatten(pruned.out_treedef, out), out
         out = self._local(*args)
         results = jax.tree.leaves(out)
         if pruned is not None:
-            pruned.constants = tuple(results[j] for j in pruned.constant)
+            entry.constants = tuple(results[j] for j in pruned.constant)
         return out, results
 
     def __call__(self, *args: Any) -> Any:
@@ -423,19 +424,22 @@ class SplitLocalSteps:
         self.local_calls += local
         if entry is not None:
             arrays = [results[p] for p in entry.plan.step_out]
-            self._counted[id(arrays[0])] = (entry, arrays, [min(c + 1, INT32_MAX) for c in counters])
+            self._counted[id(arrays[0])] = (entry.plan, arrays, [min(c + 1, INT32_MAX) for c in counters])
             if len(self._counted) > CHAINS:
                 self._counted.pop(next(iter(self._counted)))
         return out
 
     def lower_local(self, *args: Any) -> Any:
-        """The program a local call with these arguments runs, lowered (``jax.stages.Lowered``):
-        the local program as a function of what it reads and writes where that applies (its
-        memory analysis is what a local step holds), else the whole local program."""
+        """The program a local call with these arguments (arrays) runs, lowered
+        (``jax.stages.Lowered``): the local program as a function of what it reads and writes
+        where that applies, else the whole local program. Its memory analysis counts the arrays
+        it takes and returns; those it leaves where they are (DiLoCo's anchors) are not."""
         leaves, treedef = jax.tree.flatten(args)
+        if not all(isinstance(x, jax.Array) for x in leaves):  # shapes alone: nothing to prune
+            return self._local.lower(*args)
         entry = self._entry(treedef, leaves)
         if entry is None:
-            self._general.trace(*args)  # a plan for this signature
+            self._general.trace(*args)  # a plan for this signature, traced first as a call does
             entry = self._entry(treedef, leaves)
         pruned = None
         if entry is not None and self._local_traces_alike(entry, args):

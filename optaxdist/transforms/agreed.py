@@ -16,7 +16,7 @@ import optax
 
 from optaxdist.transforms._checks import find_states
 from optaxdist.transforms.daso import DasoState
-from optaxdist.transforms.local_program import local_only
+from optaxdist.transforms.local_program import unsynced
 from optaxdist.transforms.periodic import AGREED, UNTOUCHED, AgreedParams, PeriodicState
 
 
@@ -43,8 +43,8 @@ def sync_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
     for state in find_states(opt_state, (PeriodicState, DasoState)):  # outermost first
         if not isinstance(state.agreed, AgreedParams):
             continue
-        if local_only() and isinstance(state, PeriodicState):
-            continue  # a harness's program of local steps agrees on nothing: no select, no read
+        if all(unsynced(f) for f in jax.tree.leaves(state.agreed.fresh)):
+            continue  # a local program's local step agreed on nothing: no select, no values read
         # leaf by leaf: the state may wrap them differently (Flax NNX's OptVariable for Param)
         # and skip the leaves a mask gave to another transformation (optax.MaskedNode)
         slots = jax.tree.leaves(state.agreed.fresh, is_leaf=lambda x: isinstance(x, optax.MaskedNode))

@@ -15,7 +15,7 @@ instead:
   local step only (the switch's branch 0, without the start check) and nothing else.
 
 The harness keeps the counters on the host (read from the device once, and again only when a
-call gets a state that is not the one the previous call returned) and runs the local program on
+call gets a state that none of the last calls returned) and runs the local program on
 the calls where every recorded update is a plain local step. On such a call both programs run
 the same operations, which XLA may compile differently: the local program may fuse
 ``params + lr · m`` into one fused multiply-add where the general program rounds the update
@@ -49,6 +49,9 @@ class Schedule(NamedTuple):
 
 
 _LOCAL_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("optaxdist_local_only", default=False)
+_UNSYNCED: contextvars.ContextVar[dict[int, Any] | None] = contextvars.ContextVar(
+    "optaxdist_unsynced", default=None
+)
 _RECORDED: contextvars.ContextVar[list[Schedule] | None] = contextvars.ContextVar(
     "optaxdist_schedules", default=None
 )
@@ -57,6 +60,21 @@ _RECORDED: contextvars.ContextVar[list[Schedule] | None] = contextvars.ContextVa
 def local_only() -> bool:
     """True while a harness traces the local program: a periodic update emits its local step only."""
     return _LOCAL_ONLY.get()
+
+
+def mark_unsynced(flags: Any) -> None:
+    """Note the exact-sync flags a local step returns (every leaf "nothing agreed", known when
+    traced), so that ``optaxdist.sync_params`` given exactly these values sets nothing."""
+    marked = _UNSYNCED.get()
+    if marked is not None:
+        marked.update((id(x), x) for x in jax.tree.leaves(flags))
+
+
+def unsynced(flag: Any) -> bool:
+    """``flag`` is one that ``mark_unsynced`` noted in the program being traced (a value, not a
+    context: a jitted helper's trace, which JAX reuses in the other program, never matches)."""
+    marked = _UNSYNCED.get()
+    return marked is not None and marked.get(id(flag)) is flag
 
 
 def record(schedule: Schedule) -> None:
@@ -71,9 +89,10 @@ def tracing(*, local: bool) -> Iterator[list[Schedule]]:
     """Trace a step: the ``Schedule`` of every periodic update it runs is appended to the list
     this yields; with ``local``, those updates emit their local step only."""
     recorded: list[Schedule] = []
-    tokens = (_LOCAL_ONLY.set(local), _RECORDED.set(recorded))
+    tokens = (_LOCAL_ONLY.set(local), _RECORDED.set(recorded), _UNSYNCED.set({} if local else None))
     try:
         yield recorded
     finally:
+        _UNSYNCED.reset(tokens[2])
         _RECORDED.reset(tokens[1])
         _LOCAL_ONLY.reset(tokens[0])

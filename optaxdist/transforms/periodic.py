@@ -41,7 +41,7 @@ from optaxdist.transforms._checks import (
     local_step,
 )
 from optaxdist.transforms._start import check_identical_start, start_kinds
-from optaxdist.transforms.local_program import Schedule, local_only, record
+from optaxdist.transforms.local_program import Schedule, local_only, mark_unsynced, record
 
 UNTOUCHED, AGREED, CHANGED = 0, 1, 2  # what the last update's synchronization did to a leaf
 
@@ -359,6 +359,8 @@ def periodic(
         if only_local:  # the harness runs this program only where ``plain_local`` holds
             out, inner_state, sync_state, ledger, agreed = local(operand)
             last_sync = jnp.zeros((), jnp.int32)
+            if exact_sync:
+                mark_unsynced(agreed.fresh)
         else:
             # one switch: [local step, syncs..., warm-up, begin then (nothing, syncs...)]
             scheduled = schedule(s, len(bodies))
