@@ -205,8 +205,10 @@ def local_step(
       backed off) keeps its new state. Ledgers in the inner state keep counting (an inner
       collective that ran still sent its bytes). Cost: one reading pass over the update (and the
       state's arrays; a sum per leaf, see ``all_finite``); the select of the update and the inner
-      state runs in a ``lax.cond`` only on a step where some replica is not finite (in the
-      program of local steps of ``split_local_steps``: selects, on every step).
+      state runs in a ``lax.cond`` only on a step where some replica is not finite. In the
+      program of local steps of ``split_local_steps``: selects on every step, and the update is
+      computed a second time instead of written and read back (unless the inner update
+      communicates), so the check reads the gradients and the state once more.
     * ``"ignore"``: ``inner.update`` as it is, at no cost: for inner optimizers that guard
       themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``) or runs that accept that a
       non-finite gradient poisons the average.
