@@ -388,14 +388,15 @@ class SplitLocalSteps:
         # the kept results come from the whole program: once, and again after a step took them
         # (deleted, or about to be: passed back where the program reads and donates)
         constants = entry.constants
+        donated = () if pruned is None else pruned.take_donated(leaves)
         if (
             pruned is not None
             and len(constants) == len(pruned.constant)
             and not any(x.is_deleted() for x in constants)
-            and not (constants and {id(x) for x in pruned.take_donated(leaves)} & set(map(id, constants)))
+            and not (constants and set(map(id, donated)) & set(map(id, constants)))
         ):
             try:
-                results = pruned.program(pruned.take_donated(leaves), pruned.take_kept(leaves))
+                results = pruned.program(donated, pruned.take_kept(leaves))
             except _NotAsTraced:  # at its first call, before any buffer is donated
                 self._pruned[entry.signature] = entry.pruned = pruned = None
             else:
