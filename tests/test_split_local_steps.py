@@ -38,6 +38,11 @@ def _adam() -> optax.GradientTransformation:
     return optax.adam(LR)
 
 
+def _outer() -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer with factors that are powers of two (no product rounds)."""
+    return optax.sgd(0.5, momentum=0.5, nesterov=True)
+
+
 # (transform, the calls out of STEPS that run the local program, bit-exact): every call but the
 # synchronizations, the start check's first step, the warm-up, the first step after it (DiLoCo's
 # anchors), and the first call (the general program is traced first, then the counters are read)
@@ -50,7 +55,7 @@ CASES = {
     ),
     # warm-up 0..2, anchors at 3, syncs at s = 4, 9, ..., 34 (t = 7, ..., 37: 7)
     "diloco": (
-        lambda comm, nf: od.diloco(_momentum(), comm=comm, period=5, warmup_steps=3, nonfinite=nf),
+        lambda comm, nf: od.diloco(_momentum(), comm=comm, period=5, warmup_steps=3, outer=_outer(), nonfinite=nf),
         STEPS - 3 - 1 - 7,
         True,
     ),
@@ -62,7 +67,7 @@ CASES = {
     # fragments sync at s = 2, 5, 8, ... (period 6, 2 fragments: every 3 steps; 13), merged 1 later
     "streaming_diloco": (
         lambda comm, nf: od.streaming_diloco(
-            _momentum(), comm=comm, period=6, num_fragments=2, delay=1, nonfinite=nf
+            _momentum(), comm=comm, period=6, num_fragments=2, delay=1, outer=_outer(), nonfinite=nf
         ),
         STEPS - 1 - 13 - 13,
         True,
@@ -140,6 +145,8 @@ def test_split_runs_the_local_program_on_local_steps_and_computes_the_same(name,
     got = _run(split, tx, grads)
     _assert_same_bits(expected, got, exact)
     assert split.local_calls == local_calls
+    general = 3 + 1 if name == "diloco" else 1  # the warm-up and the anchors, else the start check
+    assert split.sync_calls == STEPS - local_calls - general
 
 
 @pytest.mark.parametrize("name", ["local_sgd", "des_loc"])
@@ -337,6 +344,53 @@ def test_the_local_program_has_no_collective_and_no_conditional(where, nonfinite
 
 
 @pytest.mark.parametrize("where", ["simulate", "mesh"])
+def test_a_synchronization_runs_a_program_without_a_conditional(where):
+    """A call at a synchronization runs that synchronization's program: the local step and the
+    synchronization with no conditional (the guard selects; ``sync_params`` knows the leaves the
+    synchronization agreed on), all-reducing on the mesh. It computes the general program's
+    numbers (bit for bit here: no product rounds), and every replica holds the same bits."""
+    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=3, outer=_outer())
+    params = _params()
+    if where == "simulate":
+        wrap, state = od.simulate, od.simulate(tx.init)(params)
+    else:
+        mesh = jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N])
+        wrap, state = (lambda f, **kw: od.on_mesh(f, mesh, **kw)), od.on_mesh(tx.init, mesh)(params)
+    split = wrap(_step(tx), split_local_steps=True)
+    grads = _grads(9)
+    expected = _run(wrap(_step(tx)), tx, grads, params, state)
+    got = _run(split, tx, grads, params, state)
+    _assert_same_bits(expected, got)
+    assert all((np.asarray(x) == np.asarray(x)[:1]).all() for x in jax.tree.leaves(got[0]))
+    # t = 0 the start check (and the anchors), syncs at t = 2, 5, 8
+    assert (split.local_calls, split.sync_calls) == (5, 3)
+    (program,) = split._syncs.values()
+    at_sync = state._replace(step=jnp.full_like(state.step, 2))
+    compiled = program.lower(params, at_sync, grads[0]).compile().as_text()
+    assert "conditional(" not in compiled
+    assert where == "simulate" or "all-reduce(" in compiled
+
+
+def test_synchronizations_beyond_the_limit_run_the_general_program(monkeypatch):
+    """Streaming DiLoCo's fragments sync at different steps, each in a program of its own; past
+    ``SYNC_PROGRAMS`` of them a synchronization runs the general program."""
+    from optaxdist.parallel import split as split_module
+
+    monkeypatch.setattr(split_module, "SYNC_PROGRAMS", 1)
+    build, local_calls, _ = CASES["streaming_diloco"]
+    tx = build(od.AxisComm(REPLICA), "ignore")
+    grads = _grads(12)
+    expected = _run(od.simulate(_step(tx)), tx, grads)
+    split = od.simulate(_step(tx), split_local_steps=True)
+    _assert_same_bits(expected, _run(split, tx, grads))
+    assert len(split._syncs) == 1
+    # fragments sync at t = 2, 5, 8, 11 (in turn), each merged a step later (at 3, 6, 9): the
+    # first synchronization's program runs at t = 2 and 8
+    assert split.local_calls == 12 - 1 - 4 - 3
+    assert split.sync_calls == 2
+
+
+@pytest.mark.parametrize("where", ["simulate", "mesh"])
 def test_the_local_program_takes_and_returns_only_what_it_changes(where):
     """Between synchronizations DiLoCo's anchors, its outer momentum and the ledger come back as
     the very arrays the call got: the local program neither takes, donates nor returns them. It
@@ -344,7 +398,7 @@ def test_the_local_program_takes_and_returns_only_what_it_changes(where):
     exact-sync flags, "no sync") come back as the arrays of the last call that ran the whole
     local program: the first local call, and the first after a step that took them donated. Every
     number is the general program's."""
-    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+    tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, outer=_outer(), nonfinite="ignore")
     if where == "simulate":
         wrap, init = od.simulate, od.simulate(tx.init)
     else:

@@ -1,5 +1,6 @@
-"""``split_local_steps=True``: a harness that runs the periodic transforms' local steps as a program
-of their own (``optaxdist.transforms.local_program``), chosen on the host from the step counters."""
+"""``split_local_steps=True``: a harness that runs the periodic transforms' local steps, and each of
+their synchronizations, as a program of its own (``optaxdist.transforms.local_program``), chosen
+on the host from the step counters."""
 
 from __future__ import annotations
 
@@ -23,17 +24,20 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the host's CPU
 _EMPTY_TABLE = (0, np.zeros(0, bool))
 CHAINS = 8  # runs of one step whose counters are counted on the host at once (training, evaluation...)
+SYNC_PROGRAMS = 8  # synchronizations' programs compiled per step; others run the general program
+LOCAL = "local"  # the local program's key (a synchronization's: the branch of each update)
 
 
 class _Plan(NamedTuple):
-    """Where one trace's periodic updates find and return their counters (positions in the
-    flattened arguments and results), each update's ``Schedule.plain_local`` (jitted once), the
-    tables of its values computed so far (``index → (first counter, bools)``), and for each
-    result the argument it returns unchanged (its position), else None."""
+    """Where one trace's periodic updates (in the order of their positions) find and return their
+    counters (positions in the flattened arguments and results), each update's
+    ``Schedule.branch`` (jitted once), the tables of its values computed so far
+    (``index → (first counter, branches)``), and for each result the argument it returns
+    unchanged (its position), else None."""
 
     step_in: tuple[int, ...]
     step_out: tuple[int, ...]
-    plain_local: tuple[Callable[[jax.Array], jax.Array], ...]
+    branch: tuple[Callable[[jax.Array], jax.Array], ...]
     tables: dict[int, tuple[int, np.ndarray]]
     forwarded: tuple[int | None, ...]
     out_treedef: Any
@@ -70,7 +74,10 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
     inputs = {id(x): i for i, x in enumerate(arg_leaves)}
     out_leaves = jax.tree.leaves(out)
     outputs = {id(x): i for i, x in enumerate(out_leaves)}
+    recorded = sorted(recorded, key=lambda r: r.position)
     try:
+        if [r.position for r in recorded] != list(range(len(recorded))):
+            raise KeyError  # an update traced twice (inside another's branches)
         step_in = tuple(inputs[id(r.step_in)] for r in recorded)
         step_out = tuple(outputs[id(r.step_out)] for r in recorded)
     except KeyError:
@@ -82,8 +89,8 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
     else:
         if recorded:
             forwarded = tuple(inputs.get(id(x)) for x in out_leaves)
-            plain_local = tuple(jax.jit(r.plain_local) for r in recorded)
-            return _Plan(step_in, step_out, plain_local, {}, forwarded, jax.tree.structure(out))
+            branch = tuple(jax.jit(r.branch) for r in recorded)
+            return _Plan(step_in, step_out, branch, {}, forwarded, jax.tree.structure(out))
         why = "the step runs no periodic transform"
     warnings.warn(f"split_local_steps: {why}; every call runs the general program", stacklevel=2)
     return None
@@ -169,7 +176,7 @@ class _Entry:
 
     def __init__(self, signature: tuple, plan: _Plan, *, arrays: bool):
         self.signature, self.plan, self.arrays = signature, plan, arrays  # arrays: every leaf a jax.Array
-        self.alike: bool | None = None
+        self.alike: dict[str | tuple[int, ...], bool] = {}  # program's key → traces alike
         self.pruned: _Pruned | None | bool = False  # False: not looked up yet
         self.constants: tuple[jax.Array, ...] = ()
 
@@ -180,6 +187,13 @@ def _picker(positions: Sequence[int]) -> Callable[[Sequence], tuple]:
         (position,) = positions
         return lambda items: (items[position],)
     return operator.itemgetter(*positions) if positions else lambda items: ()
+
+
+def _branches(key: str | tuple[int, ...] | None) -> Callable[[int], int | None] | None:
+    """``local_program.tracing``'s ``branches`` for the program of ``key``."""
+    if key == LOCAL:
+        return lambda position: 0
+    return None if key is None else lambda position: key[position] if position < len(key) else None
 
 
 class _NotAsTraced(Exception):
@@ -223,26 +237,32 @@ class SplitLocalSteps:
         leading: int,
         donate_argnums: int | Sequence[int] = (),
     ):
-        self._plans: dict[tuple[bool, tuple], _Plan | None] = {}  # (local?, signature) → plan
+        # (program's key: None for the general one, LOCAL, or a synchronization's branches,
+        # signature) → plan
+        self._plans: dict[tuple[Any, tuple], _Plan | None] = {}
         self._pruned: dict[tuple, _Pruned | None] = {}
         self._build, self._step, self._leading = build, step, leading
         self._donate = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
-        self._general = build(self._recording(step, local=False))
-        self._local = build(self._recording(step, local=True))
+        self._general = build(self._recording(step, None))
+        self._local = build(self._recording(step, LOCAL))
+        self._syncs: dict[tuple[int, ...], Callable[..., Any]] = {}  # branches → program
         self._entries: dict[tuple, _Entry] = {}
         self._recent: tuple[tuple, _Entry] | None = None  # the last call's key and entry
         # the counters calls returned and no call took yet: id of the first → (plan, arrays, values)
         self._counted: dict[int, tuple[_Plan, list, list[int]]] = {}  # in order of insertion
-        self.local_calls = 0
+        self.local_calls = self.sync_calls = 0
 
-    def _recording(self, step: Callable[..., Any], *, local: bool) -> Callable[..., Any]:
+    def _recording(self, step: Callable[..., Any], key: str | tuple[int, ...] | None) -> Callable[..., Any]:
+        """``step`` traced as the program of ``key`` (None: the general program), its plan noted."""
+        branches = _branches(key)
+
         @functools.wraps(step)  # the configuration check follows the user's step from here
         def traced(*args: Any) -> Any:
             leaves, treedef = jax.tree.flatten(args)  # before the step, which may update them
-            with local_program.tracing(local=local) as recorded:
+            with local_program.tracing(branches=branches) as recorded:
                 out = step(*args)
-            self._plans[(local, _signature(treedef, leaves, 0))] = _plan(leaves, out, recorded)
-            if not local:  # a new trace of the general program: the entries look up its plan again
+            self._plans[(key, _signature(treedef, leaves, 0))] = _plan(leaves, out, recorded)
+            if key is None:  # a new trace of the general program: the entries look up its plan again
                 self._entries.clear()
                 self._recent = None
             return out
@@ -264,7 +284,7 @@ class SplitLocalSteps:
             entry = self._entries.get(key)
         if entry is None:
             signature = _signature(treedef, leaves, self._leading)
-            plan = self._plans.get((False, signature))
+            plan = self._plans.get((None, signature))
             if plan is None:
                 return None
             entry = self._entries[key] = _Entry(signature, plan, arrays=arrays)
@@ -280,24 +300,33 @@ class SplitLocalSteps:
                 return values
         return [_host_counter(leaves[p]) for p in step_in]
 
-    def _plain_local(self, plan: _Plan, index: int, counter: int) -> bool:
+    def _branch(self, plan: _Plan, index: int, counter: int) -> int:
         start, table = plan.tables.get(index, _EMPTY_TABLE)
         if not start <= counter < start + len(table):
             start = counter
             values = np.minimum(np.arange(TABLE_SIZE, dtype=np.int64) + counter, INT32_MAX).astype(np.int32)
-            table = np.asarray(plan.plain_local[index](jax.device_put(values, _table_device())))
+            table = np.asarray(plan.branch[index](jax.device_put(values, _table_device()))).tolist()
             plan.tables[index] = (start, table)
-        return bool(table[counter - start])
+        return table[counter - start]
 
-    def _local_traces_alike(self, entry: _Entry, args: tuple) -> bool:
-        """The local program finds and returns the counters where the general one does (traced
-        once per signature, before its first call)."""
-        if entry.alike is None:
-            if (True, entry.signature) not in self._plans:
-                self._local.trace(*args)
-            other, plan = self._plans.get((True, entry.signature)), entry.plan
-            entry.alike = other is not None and other[:2] == plan[:2]  # step_in, step_out
-        return entry.alike
+    def _program(self, key: tuple[int, ...]) -> Callable[..., Any] | None:
+        """The program of these branches (a synchronization's), made at its first call; None
+        beyond ``SYNC_PROGRAMS`` of them."""
+        program = self._syncs.get(key)
+        if program is None and len(self._syncs) < SYNC_PROGRAMS:
+            program = self._syncs[key] = self._build(self._recording(self._step, key))
+        return program
+
+    def _traces_alike(self, entry: _Entry, key: Any, program: Callable, args: tuple) -> bool:
+        """The program of ``key`` finds and returns the counters where the general one does
+        (traced once per signature, before its first call)."""
+        alike = entry.alike.get(key)
+        if alike is None:
+            if (key, entry.signature) not in self._plans:
+                program.trace(*args)
+            other, plan = self._plans.get((key, entry.signature)), entry.plan
+            alike = entry.alike[key] = other is not None and other[:2] == plan[:2]  # step_in, step_out
+        return alike
 
     def _pruning(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> _Pruned | None:
         """The local program of this signature as a function of the argument leaves it reads,
@@ -312,7 +341,7 @@ class SplitLocalSteps:
         # an argument comes back as it came only from a donated argument (the caller gave it up:
         # no other reference of theirs sees it again) and in one result only (two results never
         # share a buffer); any other result is the program's own, a new buffer
-        forwarded = self._plans[(True, signature)].forwarded
+        forwarded = self._plans[(LOCAL, signature)].forwarded
         times = collections.Counter(forwarded)
         forwarded = tuple(
             f if f is not None and owner[f] in self._donate and times[f] == 1 else None for f in forwarded
@@ -323,7 +352,7 @@ class SplitLocalSteps:
             return None
         # small results that read no argument (flags, a "last sync" of 0): kept on the host, where
         # the caller donates (and so gives up the results it passes back)
-        counters = set(self._plans[(True, signature)].step_out)
+        counters = set(self._plans[(LOCAL, signature)].step_out)
         sizes = [math.prod(np.shape(x)[self._leading :]) for x in jax.tree.leaves(traced.out_info)]
         scalars = [j for j, f in enumerate(forwarded) if f is None and j not in counters and sizes[j] <= 1]
         constant = tuple(sorted(_constant_results(traced, scalars, len(forwarded)))) if self._donate else ()
@@ -344,7 +373,7 @@ class SplitLocalSteps:
                 full[i] = x
             for i, (shape, dtype) in placeholders.items():
                 full[i] = jnp.zeros(shape, dtype)
-            with local_program.tracing(local=True):
+            with local_program.tracing(branches=_branches(LOCAL)):
                 out = jax.tree.leaves(step(*jax.tree.unflatten(treedef, full)))
             # the arguments it returns unchanged are the full trace's (a placeholder may come back
             # marked as varying over the replicas: a new tracer of the same value)
@@ -355,7 +384,7 @@ class SplitLocalSteps:
             return tuple(x for j, (x, f) in enumerate(zip(out, forwarded)) if f is None and j not in constant)
 
         program = self._build(pruned, donate_argnums=(0,) if donated else ())
-        out_treedef = self._plans[(True, signature)].out_treedef
+        out_treedef = self._plans[(LOCAL, signature)].out_treedef
         computed = [j for j, f in enumerate(forwarded) if f is None and j not in constant]
         origin = {j: k for k, j in enumerate(computed)}
         origin |= {j: len(computed) + f for j, f in enumerate(forwarded) if f is not None}
@@ -408,26 +437,35 @@ class SplitLocalSteps:
             entry.constants = tuple(results[j] for j in pruned.constant)
         return out, results
 
+    def _choose(self, entry: _Entry, counters: list[int], args: tuple) -> Callable[..., Any]:
+        """The program of the branches the counters give the updates: the local program, a
+        synchronization's, else the general program."""
+        branches = tuple(self._branch(entry.plan, i, c) for i, c in enumerate(counters))
+        if -1 in branches:
+            return self._general
+        key, program = (LOCAL, self._local) if not any(branches) else (branches, self._program(branches))
+        if program is None or not self._traces_alike(entry, key, program, args):
+            return self._general
+        return program
+
     def __call__(self, *args: Any) -> Any:
         leaves, treedef = jax.tree.flatten(args)
         entry = self._entry(treedef, leaves)
-        counters = None if entry is None else self._counters(entry, leaves)
-        local = (
-            entry is not None
-            and all(self._plain_local(entry.plan, i, c) for i, c in enumerate(counters))
-            and self._local_traces_alike(entry, args)
-        )
-        if local:
+        if entry is None:
+            return self._general(*args)
+        counters = self._counters(entry, leaves)
+        program = self._choose(entry, counters, args)
+        if program is self._local:
             out, results = self._run_local(entry, args, leaves, treedef)
+            self.local_calls += 1
         else:
-            out = self._general(*args)
-            results = jax.tree.leaves(out) if entry is not None else []
-        self.local_calls += local
-        if entry is not None:
-            arrays = [results[p] for p in entry.plan.step_out]
-            self._counted[id(arrays[0])] = (entry.plan, arrays, [min(c + 1, INT32_MAX) for c in counters])
-            if len(self._counted) > CHAINS:
-                self._counted.pop(next(iter(self._counted)))
+            out = program(*args)
+            results = jax.tree.leaves(out)
+            self.sync_calls += program is not self._general
+        arrays = [results[p] for p in entry.plan.step_out]
+        self._counted[id(arrays[0])] = (entry.plan, arrays, [min(c + 1, INT32_MAX) for c in counters])
+        if len(self._counted) > CHAINS:
+            self._counted.pop(next(iter(self._counted)))
         return out
 
     def lower_local(self, *args: Any) -> Any:
@@ -443,7 +481,7 @@ class SplitLocalSteps:
             self._general.trace(*args)  # a plan for this signature, traced first as a call does
             entry = self._entry(treedef, leaves)
         pruned = None
-        if entry is not None and self._local_traces_alike(entry, args):
+        if entry is not None and self._traces_alike(entry, LOCAL, self._local, args):
             pruned = self._pruning(entry.signature, args, leaves, treedef)
         if pruned is None:
             return self._local.lower(*args)

@@ -12,7 +12,7 @@ import optax
 
 from optaxdist.accounting import keep_ledgers
 from optaxdist.comm.base import Communicator
-from optaxdist.transforms.local_program import local_only
+from optaxdist.transforms.local_program import static_program
 
 
 def find_states(tree: Any, cls: type | tuple[type, ...]) -> list:
@@ -206,7 +206,7 @@ def local_step(
       collective that ran still sent its bytes). Cost: one reading pass over the update (and the
       state's arrays; a sum per leaf, see ``all_finite``); the select of the update and the inner
       state runs in a ``lax.cond`` only on a step where some replica is not finite. In the
-      program of local steps of ``split_local_steps``: selects on every step, and the update is
+      programs of fixed branches of ``split_local_steps``: selects on every step, and the update is
       computed a second time instead of written and read back (unless the inner update
       communicates), so the check reads the gradients and the state once more.
     * ``"ignore"``: ``inner.update`` as it is, at no cost: for inner optimizers that guard
@@ -229,8 +229,8 @@ def local_step(
         kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, inner_state)
         return vary(skipped), vary(keep_ledgers(kept, new_state))
 
-    if local_only():
-        # a harness's program of local steps: selects, which fuse with what reads the update and
+    if static_program():
+        # a harness's program of fixed branches: selects, which fuse with what reads the update and
         # the state, where a conditional is a pass of its own (on a GPU, a read of its predicate
         # on the host). The update is computed a second time, from inputs the sums cannot share:
         # XLA then reads the inputs for the sums without writing the update to memory, and the

@@ -16,7 +16,7 @@ import optax
 
 from optaxdist.transforms._checks import find_states
 from optaxdist.transforms.daso import DasoState
-from optaxdist.transforms.local_program import unsynced
+from optaxdist.transforms.local_program import static_flag
 from optaxdist.transforms.periodic import AGREED, UNTOUCHED, AgreedParams, PeriodicState
 
 
@@ -39,12 +39,10 @@ def sync_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
         nnx.update(model, optaxdist.sync_params(params, optimizer.opt_state))
     """
     leaves, treedef = jax.tree.flatten(params)
-    claimed = [jnp.asarray(False)] * len(leaves)  # set by a synchronization further out
+    claimed: list = [False] * len(leaves)  # set by a synchronization further out
     for state in find_states(opt_state, (PeriodicState, DasoState)):  # outermost first
         if not isinstance(state.agreed, AgreedParams):
             continue
-        if all(unsynced(f) for f in jax.tree.leaves(state.agreed.fresh)):
-            continue  # a local program's local step agreed on nothing: no select, no values read
         # leaf by leaf: the state may wrap them differently (Flax NNX's OptVariable for Param)
         # and skip the leaves a mask gave to another transformation (optax.MaskedNode)
         slots = jax.tree.leaves(state.agreed.fresh, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
@@ -54,8 +52,9 @@ def sync_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
                 f"sync_params: the optimizer state was made for {len(slots)} parameter leaves, "
                 f"got {len(leaves)}"
             )
-        if not mine:
-            continue
+        known = [static_flag(slots[i]) for i in mine]  # a harness's program of fixed branches
+        if all(k == UNTOUCHED for k in known):
+            continue  # nothing agreed, and nothing changed: no select, no values read
         like = [leaves[i] for i in mine]
         fresh, values = state.agreed_leaves(like)
         if any(jnp.shape(v) != jnp.shape(p) for v, p in zip(values, like)):
@@ -63,7 +62,13 @@ def sync_params(params: optax.Params, opt_state: optax.OptState) -> optax.Params
                 "sync_params: the optimizer state was made for parameters of shapes "
                 f"{[jnp.shape(v) for v in values]}, got {[jnp.shape(p) for p in like]}"
             )
-        take = [(f == AGREED) & ~claimed[i] for f, i in zip(fresh, mine)]
+        if None not in known and all(isinstance(claimed[i], bool) for i in mine):
+            for i, k, v in zip(mine, known, values):
+                if k == AGREED and not claimed[i]:
+                    leaves[i] = v
+                claimed[i] = claimed[i] or k != UNTOUCHED
+            continue
+        take = [(f == AGREED) & ~jnp.asarray(claimed[i]) for f, i in zip(fresh, mine)]
         new = jax.lax.cond(
             jnp.any(jnp.stack(take)),
             lambda t, v, p: [jnp.where(*x) for x in zip(t, v, p)],

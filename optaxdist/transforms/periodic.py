@@ -41,7 +41,7 @@ from optaxdist.transforms._checks import (
     local_step,
 )
 from optaxdist.transforms._start import check_identical_start, start_kinds
-from optaxdist.transforms.local_program import Schedule, local_only, mark_unsynced, record
+from optaxdist.transforms.local_program import Schedule, mark_flags, next_update, record
 
 UNTOUCHED, AGREED, CHANGED = 0, 1, 2  # what the last update's synchronization did to a leaf
 
@@ -256,8 +256,9 @@ def periodic(
     The schedule's synchronizations, the warm-up and the first step after it are branches of one
     ``lax.switch`` on the replicated step (``comm.uniform``): a local step runs only the local
     step, on every harness. A harness made with ``split_local_steps=True`` also traces the step
-    with the local step alone (``optaxdist.transforms.local_program``) and runs that program on
-    the steps ``plain_local`` gives it: no switch, so the update fuses with what follows.
+    with the local step alone, and with the local step and each synchronization
+    (``optaxdist.transforms.local_program``), and runs on each step the program of the branch
+    ``branch_at`` gives it: no switch, so the update fuses with what follows.
     """
     check_transformation("inner", inner)
     check_warmup_steps(warmup_steps)
@@ -296,7 +297,7 @@ def periodic(
         bodies = tuple(syncs(params) if callable(syncs) else syncs)
         t = comm.uniform(state.step)  # keeps the switch a branch under simulate
         s = t - warmup_steps
-        only_local = local_only()  # a harness traces its program of local steps
+        position, branch = next_update()  # a harness's program of one branch: no switch
         sync_state, ledger = state.sync_state, state.ledger
         if background is not None:  # before the switch, on state only: free to overlap
             sync_state, ledger = background(s, params, sync_state, ledger)
@@ -307,7 +308,7 @@ def periodic(
             grads, inner_state, sync_state, ledger, agreed = operand
             # inside each branch, not before the switch: a conditional of its own that reads the
             # parameters makes XLA copy donated parameters on every step
-            ledger = check_identical_start(check_start and not only_local, params, t, ledger, comm)
+            ledger = check_identical_start(check_start and branch is None, params, t, ledger, comm)
             u, inner_state = local_step(
                 inner,
                 grads,
@@ -338,6 +339,8 @@ def periodic(
                     ]
             if exact_sync:  # the flags are replicated, the values per replica
                 agreed = record_agreed(agreed, target, jax.tree.unflatten(treedef, flags), vary)
+                if branch is not None:  # known here: ``sync_params`` picks leaves without a select
+                    mark_flags(agreed.fresh, flags)
             return (*per_replica((u, inner_state, sync_state, ledger), comm), agreed)
 
         def warm_up(operand):
@@ -348,19 +351,24 @@ def periodic(
 
         num_syncs = len(bodies)
 
-        def plain_local(counters: jax.Array) -> jax.Array:
-            """Whether the update at these counter values takes branch 0 and checks nothing."""
-            plain = (counters >= warmup_steps) & (schedule(counters - warmup_steps, num_syncs) == 0)
+        def branch_at(counters: jax.Array) -> jax.Array:
+            """The schedule's synchronization at these counter values (0: none), where the local
+            step and it are all the update runs; -1 at the start check, in the warm-up and where
+            ``begin`` runs."""
+            alone = counters >= warmup_steps
             if begin is not None:
-                plain &= counters != warmup_steps
-            return plain & (counters != 0) if check_start else plain
+                alone &= counters != warmup_steps
+            if check_start:
+                alone &= counters != 0
+            return jnp.where(alone, schedule(counters - warmup_steps, num_syncs), -1).astype(jnp.int32)
 
         operand = (updates, state.inner_state, sync_state, ledger, state.agreed)
-        if only_local:  # the harness runs this program only where ``plain_local`` holds
+        if branch == 0:  # the harness runs this program only where ``branch_at`` gives it
             out, inner_state, sync_state, ledger, agreed = local(operand)
             last_sync = jnp.zeros((), jnp.int32)
-            if exact_sync:
-                mark_unsynced(agreed.fresh)
+        elif branch is not None:
+            out, inner_state, sync_state, ledger, agreed = local(operand, bodies[branch - 1])
+            last_sync = jnp.asarray(branch, jnp.int32)
         else:
             # one switch: [local step, syncs..., warm-up, begin then (nothing, syncs...)]
             scheduled = schedule(s, len(bodies))
@@ -384,7 +392,7 @@ def periodic(
             ledger=ledger,
             agreed=agreed,
         )
-        record(Schedule(state.step, new_state.step, plain_local))
+        record(Schedule(state.step, new_state.step, branch_at, position))
         return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
