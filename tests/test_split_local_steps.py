@@ -55,7 +55,9 @@ CASES = {
     ),
     # warm-up 0..2, anchors at 3, syncs at s = 4, 9, ..., 34 (t = 7, ..., 37: 7)
     "diloco": (
-        lambda comm, nf: od.diloco(_momentum(), comm=comm, period=5, warmup_steps=3, outer=_outer(), nonfinite=nf),
+        lambda comm, nf: od.diloco(
+            _momentum(), comm=comm, period=5, warmup_steps=3, outer=_outer(), nonfinite=nf
+        ),
         STEPS - 3 - 1 - 7,
         True,
     ),

@@ -361,9 +361,11 @@ def reference_step(
     return harness.wrap(step if collective is None else _then(step, collective), donate=donate)
 
 
-def _at(state: Any, fields: Mapping[str, int | bool]) -> Any:
-    """``state`` (stacked over replicas) with its schedule fields set on every replica."""
-    return state._replace(**{k: jnp.full_like(getattr(state, k), v) for k, v in fields.items()})
+def _at(state: Any, fields: Mapping[str, int | bool], early: int = 0) -> Any:
+    """``state`` (stacked over replicas) with its schedule fields set on every replica, the
+    counters ``early`` steps before."""
+    shifted = {k: v if isinstance(v, bool) else v - early for k, v in fields.items()}
+    return state._replace(**{k: jnp.full_like(getattr(state, k), v) for k, v in shifted.items()})
 
 
 def state_bytes(state: Any, replicas: int) -> tuple[int, int]:
@@ -452,7 +454,7 @@ def measure_case(
     ``donate`` every step (ours and the references) reuses its parameters' and state's buffers,
     and each timed call gets fresh copies of them, made before its clock starts. With ``split``
     ours runs under ``split_local_steps=True`` and its local step is timed as a training loop
-    runs it (``_time_donated``'s ``chained``); needs ``donate``."""
+    runs it and its sync step likewise (``_time_donated``'s ``chained``); needs ``donate``."""
     options = case.variant_options(variant)
     tx, plain_tx = case.build(harness.replicas, **options), inner()
     ours = harness.wrap(_step(tx), donate=donate, split=split)
@@ -488,8 +490,8 @@ def measure_case(
         samples = _time_donated(
             calls,
             repeats,
-            lambda name, st: harness.place(_at(st, at[name])) if name in at else st,
-            chained=("local",) if split else (),
+            lambda name, st, early: harness.place(_at(st, at[name], early)) if name in at else st,
+            chained=tuple(at) if split else (),
         )
     else:
         fns = [lambda f=f, a=a: f(*a) for f, a in calls.values()]
@@ -533,41 +535,48 @@ def _copies(*trees: Any) -> tuple:
     return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), trees))
 
 
+def _split_calls(fn: Any) -> int:
+    """Calls of a ``split_local_steps`` step that ran a program of fixed branches (local or a
+    synchronization's); 0 for any other step."""
+    return getattr(fn, "local_calls", 0) + getattr(fn, "sync_calls", 0)
+
+
 def _time_donated(
     calls: Mapping[str, tuple[Step, tuple]],
     repeats: int,
-    reset: Callable[[str, Any], Any],
+    reset: Callable[[str, Any, int], Any],
     chained: Sequence[str] = (),
 ) -> dict[str, list[float]]:
     """``_time`` for donating steps, as a training loop runs them: each call of a row continues
     from the parameters and state its previous call returned (its own copy of the arguments at
-    first), its state's schedule fields set back by ``reset(name, state)`` before the clock starts
-    (small arrays), so every call is the same kind of step.
+    first), its state's schedule fields set back by ``reset(name, state, 0)`` before the clock
+    starts (small arrays), so every call is the same kind of step.
 
-    ``chained``: rows of a ``split_local_steps`` step, timed only on calls that ran its local
-    program and whose state is the one its previous call returned (the harness then reads no
-    counter from the device); their state is set back only after a call that did not run it. A
-    row whose step has no local program (gossip, DASO) is timed like the others."""
+    ``chained``: rows of a ``split_local_steps`` step, whose calls find their counters on the
+    host only when the state is one a call of theirs returned: each timed call follows an
+    untimed one from ``reset(name, state, 1)`` (the schedule one step earlier), and is timed
+    where it ran a program of fixed branches. A row whose step runs none (DASO) is timed like
+    the others."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: dict[str, list[float]] = {k: [] for k in calls}
     chained = list(chained)
-    fresh = dict.fromkeys(chained, True)  # the next call's state was set back (or is the first)
     for i in range(100 * (repeats + 1)):  # the first round warms up
-        if i == 3:  # by now a step with a local program has run it
-            chained = [name for name in chained if calls[name][0].local_calls]
+        if i == 3:  # by now a step with programs of fixed branches has run one
+            chained = [name for name in chained if _split_calls(calls[name][0])]
         for name, (fn, _) in calls.items():
             params, state, grads = carried[name]
-            if name not in chained or fresh[name]:
-                state = jax.block_until_ready(reset(name, state))
-            before = getattr(fn, "local_calls", 0)
+            if name in chained:
+                state = jax.block_until_ready(reset(name, state, 1))
+                params, state = jax.block_until_ready(fn(params, state, grads))
+            else:
+                state = jax.block_until_ready(reset(name, state, 0))
+            before = _split_calls(fn)
             t = time.perf_counter()
             params, state = jax.block_until_ready(fn(params, state, grads))
             elapsed = time.perf_counter() - t
             timed = i > 0 and len(samples[name]) < repeats
             if name in chained:
-                ran_local = fn.local_calls > before
-                timed = timed and ran_local and not fresh[name]
-                fresh[name] = not ran_local
+                timed = timed and _split_calls(fn) > before
             if timed:
                 samples[name].append(elapsed)
             carried[name] = (params, state, grads)
@@ -757,9 +766,10 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
     out = ["every step donates its parameters and state (--donate)", ""] if section.get("donate") else []
     if section.get("split"):
         out += [
-            "the transforms' steps run under split_local_steps=True (--split-local-steps): local "
-            "steps timed in a chain of calls; compile s: general program + local program; step MB: "
-            "general program (the local program a local call runs) / plain",
+            "the transforms' steps run under split_local_steps=True (--split-local-steps): each "
+            "timed local or sync step follows an untimed call, as in a training loop (the host then "
+            "knows the counters); compile s: general program + local program; step MB: general "
+            "program (the local program a local call runs) / plain",
             "",
         ]
     out += [
