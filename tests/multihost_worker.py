@@ -46,10 +46,12 @@ class MultiHostHarness:
 def check_split_local_steps(harness: MultiHostHarness) -> None:
     """``split_local_steps=True`` on the 2-process mesh: each process picks its program on its
     own, the numbers are the same as without it (bit for bit: no product rounds at these
-    learning rates), and the local program ran on the local steps."""
+    learning rates), and the local program ran on the local steps, the synchronization's
+    program on the synchronizations."""
     import optax
 
-    tx = od.diloco(optax.sgd(0.125, momentum=0.5), comm=harness.comm, period=3)
+    outer = optax.sgd(0.5, momentum=0.5, nesterov=True)  # no product rounds in the outer step either
+    tx = od.diloco(optax.sgd(0.125, momentum=0.5), comm=harness.comm, period=3, outer=outer)
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -70,6 +72,7 @@ def check_split_local_steps(harness: MultiHostHarness) -> None:
         finals.append(np.concatenate([np.asarray(s.data) for s in params.addressable_shards]))
     np.testing.assert_array_equal(finals[1], finals[0])
     assert run.local_calls == 8 - 1 - 2, run.local_calls  # not t = 0 (start check), nor t = 2, 5
+    assert run.sync_calls == 2, run.sync_calls  # t = 2, 5: the synchronization's program
 
 
 def main() -> None:

@@ -481,9 +481,11 @@ def test_bfloat16_parameters_get_float32_anchors(sharded):
 
 def test_split_local_steps_computes_the_same(harness):
     """``split_local_steps=True`` on every harness (MPI and one process per node included): the
-    local program runs on the local steps and every number is the same as without it (momentum
-    SGD at learning rates that are powers of two: no product rounds, see test_split_local_steps)."""
-    tx = od.diloco(optax.sgd(0.125, momentum=0.5), comm=harness.comm, period=3, warmup_steps=1)
+    local program runs on the local steps, the synchronization's on the synchronizations, and
+    every number is the same as without it (momentum SGD at learning rates that are powers of two,
+    inner and outer: no product rounds, see test_split_local_steps)."""
+    outer = optax.sgd(0.5, momentum=0.5, nesterov=True)
+    tx = od.diloco(optax.sgd(0.125, momentum=0.5), comm=harness.comm, period=3, warmup_steps=1, outer=outer)
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -498,6 +500,6 @@ def test_split_local_steps_computes_the_same(harness):
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
         np.testing.assert_array_equal(b, a)
     # warm-up at 0 (and the start check), anchors at 1, syncs at s = 2, 5 (t = 3, 6)
-    assert split.local_calls == 8 - 1 - 1 - 2
+    assert (split.local_calls, split.sync_calls) == (8 - 1 - 1 - 2, 2)
     # the local program took only what it reads and returned only what it changes
     assert [p is not None for p in split._pruned.values()] == [True]

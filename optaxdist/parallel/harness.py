@@ -96,10 +96,10 @@ def simulate(
         (``jax.jit``'s; with ``jit=True`` only): pass the parameters and the optimizer state of a
         training step, so that state a local step leaves unchanged is not copied.
       split_local_steps: compile the steps on which every periodic transform of ``step`` (local
-        SGD, DiLoCo, SlowMo, Streaming DiLoCo, DES-LOC...) takes its local step only as a program
-        of their own, chosen on the host from the step counters (``SplitLocalSteps``): such a
-        step then costs what its inner optimizer's step costs, for a second compilation. Needs
-        ``jit=True``.
+        SGD, DiLoCo, SlowMo, Streaming DiLoCo, DES-LOC, gossip...) takes its local step only, and
+        each synchronization, as programs of their own without the schedule's switch, chosen on
+        the host from the step counters (``SplitLocalSteps``): a local step then costs what its
+        inner optimizer's step costs, for a compilation per program. Needs ``jit=True``.
 
     Returns:
       A function of stacked arguments returning stacked results.

@@ -201,9 +201,12 @@ class _NotAsTraced(Exception):
 
 
 class SplitLocalSteps:
-    """A harness step compiled twice: the general program, and the local program in which every
-    periodic update of the step takes its local step only. A call runs the local program when
-    the step counters say that every periodic update of this call is a plain local step.
+    """A harness step compiled once per branch that runs: the general program; the local program,
+    in which every periodic update of the step takes its local step only; and, made at the first
+    call that takes it, the program of each synchronization (the branch of every update fixed:
+    the local step, then that update's synchronization; up to ``SYNC_PROGRAMS`` of them). A call
+    runs the program of the branches the step counters give its periodic updates, the general
+    program where one of them needs it (the start check, a warm-up, a ``begin`` hook).
 
     ``build`` makes the harness's compiled step of a per-replica step; ``leading`` is the number
     of stacked axes the harness's arguments have in front of one replica's (1, or 0 under MPI).
@@ -226,8 +229,10 @@ class SplitLocalSteps:
     many arrays as a plain optax step. Not where an argument is split over a mesh axis beyond the
     replicas' (the harness then places results like arguments), nor for a call with one array at
     two argument positions: there the local program takes and returns everything.
-    ``local_calls`` counts the calls that ran the local program; everything else (``lower``,
-    ``trace``, ``agreement``...) is the general program's.
+    A synchronization's program takes and returns every argument, as the general program does.
+    ``local_calls`` and ``sync_calls`` count the calls that ran the local program and a
+    synchronization's; everything else (``lower``, ``trace``, ``agreement``...) is the general
+    program's.
     """
 
     def __init__(

@@ -20,7 +20,7 @@ per branch that runs instead:
 
 The harness keeps the counters on the host (read from the device once, and again only when a
 call gets a state that none of the last calls returned) and runs, on each call, the program of
-the branches every recorded update takes. Both programs run the same operations, which XLA may
+the branches every recorded update takes. These programs run the same operations, which XLA may
 compile differently: the local program may fuse ``params + lr · m`` into one fused multiply-add
 where the general program rounds the update first. ``tests/test_split_local_steps.py`` compares
 them bit for bit where no product rounds (momentum SGD at learning rates that are powers of
