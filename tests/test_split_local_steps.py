@@ -392,6 +392,35 @@ def test_synchronizations_beyond_the_limit_run_the_general_program(monkeypatch):
     assert split.sync_calls == 2
 
 
+def test_a_schedule_index_out_of_range_runs_the_general_program():
+    """A custom schedule that gives an index beyond its synchronizations (the switch clamps it)
+    or below 0 gets no program of its own: those calls run the general program."""
+    from optaxdist.accounting import Kind
+    from optaxdist.transforms.periodic import every_leaf, periodic
+
+    comm = od.AxisComm(REPLICA)
+    kind = Kind("all_reduce", "float32", label="mean")
+
+    def mean(x):
+        local = comm.pmean(x.local)
+        return x._replace(local=local, ledger=x.ledger.record(kind), agreed=every_leaf(local))
+
+    tx = periodic(
+        _momentum(),
+        comm=comm,
+        name="odd",
+        schedule=lambda s, num_syncs: jnp.where(s % 3 == 2, 7, jnp.where(s % 3 == 1, -2, 0)),
+        syncs=[mean],
+        kinds=lambda params, inner_state: {kind: 4},
+        check_start=False,
+    )
+    grads = _grads(9)
+    expected = _run(od.simulate(_step(tx)), tx, grads)
+    split = od.simulate(_step(tx), split_local_steps=True)
+    _assert_same_bits(expected, _run(split, tx, grads))
+    assert (split.local_calls, split.sync_calls) == (2, 0)  # t = 3, 6 (t = 0: the first call)
+
+
 @pytest.mark.parametrize("where", ["simulate", "mesh"])
 def test_the_local_program_takes_and_returns_only_what_it_changes(where):
     """Between synchronizations DiLoCo's anchors, its outer momentum and the ledger come back as

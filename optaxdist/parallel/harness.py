@@ -51,7 +51,8 @@ class _Jitted:
         self._nested = jax.jit(fun, donate_argnums=donate_argnums) if options else self._top
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+        kinds = set(map(type, jax.tree.leaves((args, kwargs))))  # a few types: cheap on every call
+        traced = any(issubclass(kind, jax.core.Tracer) for kind in kinds)
         return (self._nested if traced else self._top)(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

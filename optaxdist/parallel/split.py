@@ -22,9 +22,9 @@ from optaxdist.transforms import local_program
 
 INT32_MAX = int(np.iinfo(np.int32).max)
 TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the host's CPU
-_EMPTY_TABLE = (0, np.zeros(0, bool))
+_EMPTY_TABLE: tuple[int, list[int]] = (0, [])
 CHAINS = 8  # runs of one step whose counters are counted on the host at once (training, evaluation...)
-SYNC_PROGRAMS = 8  # synchronizations' programs compiled per step; others run the general program
+SYNC_PROGRAMS = 16  # synchronizations' programs compiled per step; others run the general program
 LOCAL = "local"  # the local program's key (a synchronization's: the branch of each update)
 
 
@@ -38,7 +38,7 @@ class _Plan(NamedTuple):
     step_in: tuple[int, ...]
     step_out: tuple[int, ...]
     branch: tuple[Callable[[jax.Array], jax.Array], ...]
-    tables: dict[int, tuple[int, np.ndarray]]
+    tables: dict[int, tuple[int, list[int]]]
     forwarded: tuple[int | None, ...]
     out_treedef: Any
 

@@ -353,14 +353,16 @@ def periodic(
 
         def branch_at(counters: jax.Array) -> jax.Array:
             """The schedule's synchronization at these counter values (0: none), where the local
-            step and it are all the update runs; -1 at the start check, in the warm-up and where
-            ``begin`` runs."""
-            alone = counters >= warmup_steps
+            step and it are all the update runs; -1 at the start check, in the warm-up, where
+            ``begin`` runs, and where the schedule gives no synchronization's index (the
+            switch's clamping decides there)."""
+            index = schedule(counters - warmup_steps, num_syncs)
+            alone = (counters >= warmup_steps) & (index >= 0) & (index <= num_syncs)
             if begin is not None:
                 alone &= counters != warmup_steps
             if check_start:
                 alone &= counters != 0
-            return jnp.where(alone, schedule(counters - warmup_steps, num_syncs), -1).astype(jnp.int32)
+            return jnp.where(alone, index, -1).astype(jnp.int32)
 
         operand = (updates, state.inner_state, sync_state, ledger, state.agreed)
         if branch == 0:  # the harness runs this program only where ``branch_at`` gives it
