@@ -496,7 +496,7 @@ def measure_case(
     else:
         fns = [lambda f=f, a=a: f(*a) for f, a in calls.values()]
         samples = dict(zip(calls, _time(fns, repeats), strict=True))
-    if not ours.local_calls:  # gossip: every step ran a synchronization's program
+    if split and not ours.local_calls:  # gossip: every step ran a synchronization's program
         local_compile_s = local_compiled = None
     hand_compiled = hands["hand_sync"].lower(params, plain_state, grads).compile()
     plain_compiled = plain.lower(params, plain_state, grads).compile()
