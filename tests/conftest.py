@@ -70,7 +70,15 @@ def pytest_sessionfinish(session, exitstatus):
     Path(out, f"rank{MPI.COMM_WORLD.Get_rank()}.json").write_text(json.dumps(result))
 
 
+@pytest.hookimpl(tryfirst=True)  # before ``-m "not slow"`` deselects
 def pytest_collection_modifyitems(config, items):
+    # ``@pytest.mark.mesh_sample(*names)``: on the mesh harness, only these ``name`` parameters run
+    # by default (the others are marked slow); every one runs on the vmap harness and in the full run
+    for item in items:
+        sample = item.get_closest_marker("mesh_sample")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if sample and params.get("harness") == "mesh" and params.get("name") not in sample.args:
+            item.add_marker(pytest.mark.slow)
     if not UNDER_MPI:
         items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
         return

@@ -182,6 +182,12 @@ def test_majority_vote_against_numpy(harness):
     assert od.comm_stats(state).bytes == 2 + 1  # 12 bits -> 2 bytes, 4 bits -> 1 byte
 
 
+# one compressor of each family on the mesh by default (all of them on vmap, and in the full run)
+MESH_SAMPLE = ("cast_bf16", "top_k", "threshold_padded", "sign_vote", "int4_stochastic", "int2_sigma")
+MESH_SAMPLE += ("e4m3_chunked_top_k",)
+
+
+@pytest.mark.mesh_sample(*MESH_SAMPLE)
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_zero_gradients_give_no_nan(harness, name):
     g = jax.tree.map(np.zeros_like, grads(harness.n))
@@ -190,6 +196,7 @@ def test_zero_gradients_give_no_nan(harness, name):
         assert np.isfinite(leaf).all()
 
 
+@pytest.mark.mesh_sample(*MESH_SAMPLE)
 @pytest.mark.parametrize("name", sorted(ALL))
 def test_any_leaf_shape_and_error_feedback_accumulates(harness, name):
     n = harness.n

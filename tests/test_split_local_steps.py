@@ -127,11 +127,12 @@ def _assert_same_bits(a, b, exact: bool = True):
             np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=1e-6)
 
 
-# the default non-finite guard for every transform (SlowMo, DiLoCo's outer step with another
-# outer optimizer, and gossip, which never runs the local program, in the full run); without it
-# (the local program then fuses the update with ``params + updates``) local SGD, and the others in
-# the full run
-SLOW_GUARDED = ("slowmo", "decentralized_sgd")
+# the default non-finite guard for every transform (in the full run: SlowMo, DiLoCo's outer step
+# with another outer optimizer; gossip, which runs a synchronization's program on every step; and
+# Streaming DiLoCo, whose fragments' programs test_synchronizations_beyond_the_limit_... runs);
+# without it (the local program then fuses the update with ``params + updates``) local SGD, and the
+# others in the full run
+SLOW_GUARDED = ("slowmo", "decentralized_sgd", "streaming_diloco")
 SLOW = pytest.mark.slow
 GUARDS = [pytest.param(name, "skip", marks=SLOW if name in SLOW_GUARDED else ()) for name in sorted(CASES)]
 GUARDS += [pytest.param(name, "ignore", marks=() if name == "local_sgd" else SLOW) for name in sorted(CASES)]
@@ -151,7 +152,7 @@ def test_split_runs_the_local_program_on_local_steps_and_computes_the_same(name,
     assert split.sync_calls == STEPS - local_calls - general
 
 
-@pytest.mark.parametrize("name", ["local_sgd", "des_loc"])
+@pytest.mark.parametrize("name", ["local_sgd", pytest.param("des_loc", marks=pytest.mark.slow)])
 def test_non_finite_gradients_are_skipped_in_the_local_program(name):
     """The local program's guard (selects, no conditional) skips what the general program's
     skips: a replica's NaN gradient on one local step, another's infinite one on the next."""
@@ -345,7 +346,7 @@ def test_the_local_program_has_no_collective_and_no_conditional(where, nonfinite
     assert conditional not in compiled["local"]
 
 
-@pytest.mark.parametrize("where", ["simulate", "mesh"])
+@pytest.mark.parametrize("where", [pytest.param("simulate", marks=pytest.mark.slow), "mesh"])
 def test_a_synchronization_runs_a_program_without_a_conditional(where):
     """A call at a synchronization runs that synchronization's program: the local step and the
     synchronization with no conditional (the guard selects; ``sync_params`` knows the leaves the
@@ -617,6 +618,7 @@ def test_counters_beyond_a_table_and_at_saturation(start, monkeypatch):
     assert split.local_calls > 6
 
 
+@pytest.mark.slow  # two signatures in the default run: test_runs_of_two_sizes_keep_their_own_results
 def test_a_schedule_chosen_from_the_shapes_is_traced_again():
     """Two argument signatures of the same structure get their own traces, and their own
     schedules (here the step picks its transform from the parameters' shape)."""
