@@ -339,8 +339,7 @@ def periodic(
                     ]
             if exact_sync:  # the flags are replicated, the values per replica
                 agreed = record_agreed(agreed, target, jax.tree.unflatten(treedef, flags), vary)
-                if branch is not None:  # known here: ``sync_params`` picks leaves without a select
-                    mark_flags(agreed.fresh, flags)
+                mark_flags(agreed.fresh, flags)  # in a program of one branch: no select in sync_params
             return (*per_replica((u, inner_state, sync_state, ledger), comm), agreed)
 
         def warm_up(operand):
@@ -365,11 +364,9 @@ def periodic(
             return jnp.where(alone, index, -1).astype(jnp.int32)
 
         operand = (updates, state.inner_state, sync_state, ledger, state.agreed)
-        if branch == 0:  # the harness runs this program only where ``branch_at`` gives it
-            out, inner_state, sync_state, ledger, agreed = local(operand)
-            last_sync = jnp.zeros((), jnp.int32)
-        elif branch is not None:
-            out, inner_state, sync_state, ledger, agreed = local(operand, bodies[branch - 1])
+        if branch is not None:  # the harness runs this program only where ``branch_at`` gives it
+            then = bodies[branch - 1] if branch else None
+            out, inner_state, sync_state, ledger, agreed = local(operand, then)
             last_sync = jnp.asarray(branch, jnp.int32)
         else:
             # one switch: [local step, syncs..., warm-up, begin then (nothing, syncs...)]
