@@ -422,6 +422,73 @@ def test_a_schedule_index_out_of_range_runs_the_general_program():
     assert (split.local_calls, split.sync_calls) == (2, 0)  # t = 3, 6 (t = 0: the first call)
 
 
+@pytest.mark.parametrize(
+    "where, quirks",
+    [("simulate", False), ("mesh", False), pytest.param("simulate", True, marks=pytest.mark.slow)],
+)
+def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
+    """DASO's control values (the batch, the cycle, the pending send) are counted on the host
+    from batch to batch, and read from the device after an epoch's end, whose cycle the loss
+    sets (a plateau here). The epoch's last batch runs the general program; every other batch
+    the program of what it does: a local step alone, after a node's gradient average, with a
+    send, a merge or a blocking average. They compute the general program's numbers (bit for
+    bit here: no product rounds), and the local step's program has no conditional and no
+    collective."""
+    from optaxdist.parallel import split as split_module
+
+    nodes, per_node, batches, epochs = 2, 2, 12, 5
+    reads = []
+    host_counter = split_module._host_counter
+    monkeypatch.setattr(split_module, "_host_counter", lambda x: reads.append(1) or host_counter(x))
+    if where == "simulate":
+        h = od.axis_hierarchy(nodes, per_node)
+        wrap = lambda f, **kw: od.simulate(f, axis_name=("node", "local"), shape=(nodes, per_node), **kw)  # noqa: E731
+    else:
+        h = od.mesh_hierarchy(nodes, per_node, devices=jax.devices()[: nodes * per_node])
+        wrap = lambda f, **kw: od.on_mesh(f, h.mesh, **kw)  # noqa: E731
+    tx = od.daso(
+        _momentum(),
+        local_comm=h.local,
+        cross_comm=h.cross,
+        steps_per_epoch=batches,
+        total_epochs=epochs,
+        warmup_epochs=1,
+        cooldown_epochs=1,
+        max_global_skips=8,
+        local_skip_factor=4,
+        plateau_patience=0,
+        heat_quirks=od.HeatQuirks.all() if quirks else None,
+    )
+
+    def step(params, state, grads, loss):
+        updates, state = tx.update(grads, state, params, value=loss)
+        return od.apply_updates(params, updates, state), state
+
+    # the mean loss improves in epoch 1, then not in epoch 2: a plateau halves the cycle for epoch 3
+    losses = [jnp.full((N,), 2.0 - (t // batches == 1)) for t in range(batches * epochs)]
+    grads = _grads(batches * epochs)
+    params = _params()
+    runs = {}
+    for split in (False, True):
+        run = wrap(step, donate_argnums=(0, 1), split_local_steps=split)
+        p, state = jax.tree.map(jnp.array, params), wrap(tx.init)(params)
+        cycles = []
+        for g, loss in zip(grads, losses):
+            p, state = run(p, state, g, loss)
+            cycles.append(int(np.asarray(state.global_skip).max()))
+        runs[split] = (run, p, state, cycles)
+    (_, *expected), (split, *got) = runs[False], runs[True]
+    _assert_same_bits(expected[:2], got[:2])
+    assert len(set(got[2][batches:])) > 2  # the cycle changed: blocking, then two cycles
+    # Heat's first cycle, (4, 1, 1), averages the node's gradients before every batch
+    assert (split.local_calls == 0) == quirks and len(split._syncs) >= 3
+    # the general program: the first call, then each epoch's last batch
+    assert split.local_calls + split.sync_calls == batches * epochs - 1 - epochs
+    assert len(reads) == 8 * epochs  # the control: at the second call, after each epoch's end
+    compiled = split.local_program.lower(params, state, grads[0], losses[0]).compile().as_text()
+    assert "conditional(" not in compiled and "all-reduce(" not in compiled
+
+
 @pytest.mark.parametrize("where", ["simulate", "mesh"])
 def test_the_local_program_takes_and_returns_only_what_it_changes(where):
     """Between synchronizations DiLoCo's anchors, its outer momentum and the ledger come back as

@@ -191,6 +191,11 @@ def _pmean_fragment(params: Params) -> Params:
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _node_mean(grads: Params) -> Params:
+    """DASO's gradient average within the node, before the local step of a global sync."""
+    return jax.lax.pmean(grads, LOCAL)
+
+
 def _daso_blocking_sync(params: Params) -> Params:
     """DASO's blocking global sync, by hand: a bf16 sum over the nodes divided by their number,
     then a broadcast within the node from local index 0 (a masked ``psum``)."""
@@ -216,6 +221,7 @@ class Case:
     sync_at: Mapping[str, int | bool]
     hand_sync: Callable[[Params], Params]
     hand_local: Callable[[Params], Params] | None = None
+    hand_sync_grads: Callable[[Params], Params] | None = None  # on the gradients, before the step
     hierarchical: bool = False
     settings: str = ""
     options: tuple[str, ...] = ("check_start", "nonfinite", "exact_sync")  # the VARIANTS options it takes
@@ -230,7 +236,7 @@ def _flat_comm() -> optaxdist.AxisComm:
 
 
 # DASO's schedule in the rows: no warm-up or cool-down epochs, a blocking global sync every PERIOD
-# batches (and the node gradient average every PERIOD batches: the timed states turn it off).
+# batches, after the node's gradient average (Heat's rules turn it on before every global sync).
 DASO_SETTINGS = {
     "steps_per_epoch": 1000,
     "total_epochs": 10,
@@ -307,10 +313,11 @@ def cases() -> dict[str, Case]:
             "daso",
             _daso,
             {"batch_in_epoch": LOCAL_T, "local_sync_next": False},
-            {"batch_in_epoch": PERIOD, "local_sync_next": False},
+            {"batch_in_epoch": PERIOD, "local_sync_next": True},
             _daso_blocking_sync,
+            hand_sync_grads=_node_mean,
             hierarchical=True,
-            settings=f"blocking global sync every {PERIOD} batches, no node gradient average",
+            settings=f"blocking global sync every {PERIOD} batches after a node gradient average",
             options=("nonfinite", "exact_sync"),  # daso has no start check
         ),
     ]
@@ -341,11 +348,14 @@ def _step(tx: optax.GradientTransformation) -> Step:
     return step
 
 
-def _then(step: Step, collective: Callable[[Params], Params]) -> Step:
-    """``step`` followed by ``collective`` on the new parameters (the hand-written reference)."""
+def _then(
+    step: Step, collective: Callable[[Params], Params], on_grads: Callable[[Params], Params] | None = None
+) -> Step:
+    """``step`` followed by ``collective`` on the new parameters (the hand-written reference),
+    after ``on_grads`` on the gradients if given."""
 
     def run(params, state, grads):
-        params, state = step(params, state, grads)
+        params, state = step(params, state, grads if on_grads is None else on_grads(grads))
         return collective(params), state
 
     return run
@@ -353,12 +363,16 @@ def _then(step: Step, collective: Callable[[Params], Params]) -> Step:
 
 @functools.cache
 def reference_step(
-    harness: Harness, collective: Callable[[Params], Params] | None, donate: bool = False
+    harness: Harness,
+    collective: Callable[[Params], Params] | None,
+    donate: bool = False,
+    on_grads: Callable[[Params], Params] | None = None,
 ) -> Step:
-    """The plain optax step (``collective=None``) or plain + a hand-written collective, jitted
-    once per harness: every row of a harness times the same executables."""
+    """The plain optax step (``collective=None``) or plain + a hand-written collective (after
+    ``on_grads`` on the gradients), jitted once per harness: every row of a harness times the
+    same executables."""
     step = _step(inner())
-    return harness.wrap(step if collective is None else _then(step, collective), donate=donate)
+    return harness.wrap(step if collective is None else _then(step, collective, on_grads), donate=donate)
 
 
 def _at(state: Any, fields: Mapping[str, int | bool], early: int = 0) -> Any:
@@ -459,7 +473,7 @@ def measure_case(
     tx, plain_tx = case.build(harness.replicas, **options), inner()
     ours = harness.wrap(_step(tx), donate=donate, split=split)
     plain = reference_step(harness, None, donate)
-    hands = {"hand_sync": reference_step(harness, case.hand_sync, donate)}
+    hands = {"hand_sync": reference_step(harness, case.hand_sync, donate, case.hand_sync_grads)}
     if case.hand_local is not None:
         hands["hand_local"] = reference_step(harness, case.hand_local, donate)
     state = harness.wrap(tx.init)(inputs.params)

@@ -1,6 +1,6 @@
 """``split_local_steps=True``: a harness that runs the periodic transforms' local steps, and each of
 their synchronizations, as a program of its own (``optaxdist.transforms.local_program``), chosen
-on the host from the step counters."""
+on the host from the schedules' control values (step counters)."""
 
 from __future__ import annotations
 
@@ -20,25 +20,31 @@ from jax.sharding import NamedSharding
 
 from optaxdist.transforms import local_program
 
-INT32_MAX = int(np.iinfo(np.int32).max)
-TABLE_SIZE = 4096  # counter values whose schedule is evaluated at once, on the host's CPU
-_EMPTY_TABLE: tuple[int, list[int]] = (0, [])
-CHAINS = 8  # runs of one step whose counters are counted on the host at once (training, evaluation...)
+TABLE_SIZE = 4096  # steps whose schedule is evaluated at once, on the host's CPU
+TABLE_LIMIT = 4 * TABLE_SIZE  # control values an update's table holds before it starts again
+CHAINS = 8  # runs of one step whose control values are counted on the host at once (training, evaluation...)
 SYNC_PROGRAMS = 16  # synchronizations' programs compiled per step; others run the general program
 LOCAL = "local"  # the local program's key (a synchronization's: the branch of each update)
 
 
+Control = tuple[int, ...]  # an update's control values on the host (``Schedule.control_in``)
+Step = tuple[int, Control | None]  # its branch there, and the control it returns (None: unknown)
+
+
 class _Plan(NamedTuple):
     """Where one trace's periodic updates (in the order of their positions) find and return their
-    counters (positions in the flattened arguments and results), each update's
-    ``Schedule.branch`` (jitted once), the tables of its values computed so far
-    (``index → (first counter, branches)``), and for each result the argument it returns
+    control values (per update, positions in the flattened arguments and results; ``read`` and
+    ``returned``: all of them, in that order), each update's ``Schedule.plan`` run over
+    ``TABLE_SIZE`` steps (jitted once), the steps it gave so far (per update,
+    ``control → (branch, next control)``), and for each result the argument it returns
     unchanged (its position), else None."""
 
-    step_in: tuple[int, ...]
-    step_out: tuple[int, ...]
-    branch: tuple[Callable[[jax.Array], jax.Array], ...]
-    tables: dict[int, tuple[int, list[int]]]
+    control_in: tuple[tuple[int, ...], ...]
+    control_out: tuple[tuple[int, ...], ...]
+    read: tuple[int, ...]
+    returned: tuple[int, ...]
+    steps: tuple[Callable[..., Any], ...]
+    tables: tuple[dict[Control, Step], ...]
     forwarded: tuple[int | None, ...]
     out_treedef: Any
 
@@ -73,13 +79,15 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
     ``Optimizer.update`` do)."""
     inputs = {id(x): i for i, x in enumerate(arg_leaves)}
     out_leaves = jax.tree.leaves(out)
-    outputs = {id(x): i for i, x in enumerate(out_leaves)}
+    outputs: dict[int, int] = {}
+    for i, x in enumerate(out_leaves):  # a value returned twice (a DASO event repeating the state's
+        outputs.setdefault(id(x), i)  # group, in a program of one branch): where it comes first
     recorded = sorted(recorded, key=lambda r: r.position)
     try:
         if [r.position for r in recorded] != list(range(len(recorded))):
             raise KeyError  # an update traced twice (inside another's branches)
-        step_in = tuple(inputs[id(r.step_in)] for r in recorded)
-        step_out = tuple(outputs[id(r.step_out)] for r in recorded)
+        control_in = tuple(tuple(inputs[id(x)] for x in r.control_in) for r in recorded)
+        control_out = tuple(tuple(outputs[id(x)] for x in r.control_out) for r in recorded)
     except KeyError:
         why = (
             "a periodic update's step counter is not one of the step's own arguments and results "
@@ -88,9 +96,16 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
         )
     else:
         if recorded:
-            forwarded = tuple(inputs.get(id(x)) for x in out_leaves)
-            branch = tuple(jax.jit(r.branch) for r in recorded)
-            return _Plan(step_in, step_out, branch, {}, forwarded, jax.tree.structure(out))
+            return _Plan(
+                control_in,
+                control_out,
+                sum(control_in, ()),
+                sum(control_out, ()),
+                tuple(_steps(r.plan) for r in recorded),
+                tuple({} for _ in recorded),
+                tuple(inputs.get(id(x)) for x in out_leaves),
+                jax.tree.structure(out),
+            )
         why = "the step runs no periodic transform"
     warnings.warn(f"split_local_steps: {why}; every call runs the general program", stacklevel=2)
     return None
@@ -108,6 +123,21 @@ def _leaf_signature(x: Any, leading: int) -> tuple:
         return x.shape[leading:], x.dtype, x.weak_type
     except AttributeError:
         return np.shape(x)[leading:], getattr(x, "dtype", type(x)), False
+
+
+def _steps(plan: Callable[..., Any]) -> Callable[..., Any]:
+    """``Schedule.plan`` run for ``TABLE_SIZE`` steps from a control value, jitted: per step the
+    control, the branch, the next control and whether it is known."""
+
+    def run(control: tuple[jax.Array, ...]) -> Any:
+        def step(now, _):
+            branch, after, known = plan(now)
+            after = tuple(jnp.asarray(x, jnp.int32) for x in after)
+            return after, (now, branch, after, known)
+
+        return jax.lax.scan(step, control, None, length=TABLE_SIZE)[1]
+
+    return jax.jit(run)
 
 
 def _host_counter(x: Any) -> int:
@@ -205,19 +235,21 @@ class SplitLocalSteps:
     in which every periodic update of the step takes its local step only; and, made at the first
     call that takes it, the program of each synchronization (the branch of every update fixed:
     the local step, then that update's synchronization; up to ``SYNC_PROGRAMS`` of them). A call
-    runs the program of the branches the step counters give its periodic updates, the general
-    program where one of them needs it (the start check, a warm-up, a ``begin`` hook).
+    runs the program of the branches the control values (step counters; DASO's batch, cycle and
+    pending send) give its periodic updates, the general program where one of them needs it (the
+    start check, a warm-up, a ``begin`` hook, DASO's epoch end).
 
     ``build`` makes the harness's compiled step of a per-replica step; ``leading`` is the number
     of stacked axes the harness's arguments have in front of one replica's (1, or 0 under MPI).
-    The counters are kept on the host. They are read from the arguments (one blocking read of a
-    scalar per transform) on the first call after the step's first trace, and whenever a call's
-    counters are not arrays a call returned and no call took since (up to ``CHAINS`` such states);
-    otherwise they are counted (so that runs taking turns with one step, such as training and
-    evaluation, read nothing after their first call). A call
-    with arguments of a new signature (structure, shapes, dtypes) runs the general program: its
-    trace says where the counters are. The schedules are evaluated ``TABLE_SIZE`` counter values
-    at a time on the CPU.
+    The control values are kept on the host. They are read from the arguments (one blocking read
+    of a scalar per value) on the first call after the step's first trace, whenever a call's are
+    not arrays a call returned and no call took since (up to ``CHAINS`` such states), and after a
+    call whose control depends on the data (DASO's cycle at an epoch's end); otherwise they are
+    counted (so that runs taking turns with one step, such as training and evaluation, read
+    nothing after their first call). A call with arguments of a new signature (structure,
+    shapes, dtypes) runs the general program: its trace says where the control values are. The
+    schedules are run ``TABLE_SIZE`` steps at a time on the CPU, and what they give is kept per
+    control value.
     Arguments that are tracers (a call from inside another ``jax.jit``) run the general program.
 
     The local program runs as a function of what it reads and writes (``_pruning``): an argument
@@ -296,23 +328,30 @@ class SplitLocalSteps:
         self._recent = (key, entry)
         return entry
 
-    def _counters(self, entry: _Entry, leaves: list) -> list[int]:
-        step_in = entry.plan.step_in
-        known = self._counted.pop(id(leaves[step_in[0]]), None)  # the chain goes on from this call
+    def _controls(self, entry: _Entry, leaves: list) -> list[Control]:
+        plan = entry.plan
+        known = self._counted.pop(id(leaves[plan.read[0]]), None)  # the chain goes on from this call
         if known is not None:
-            plan, arrays, values = known
-            if plan is entry.plan and all(leaves[p] is a for p, a in zip(step_in, arrays)):
+            counted, arrays, values = known
+            if counted is plan and all(leaves[p] is a for p, a in zip(plan.read, arrays)):
                 return values
-        return [_host_counter(leaves[p]) for p in step_in]
+        return [tuple(_host_counter(leaves[p]) for p in positions) for positions in plan.control_in]
 
-    def _branch(self, plan: _Plan, index: int, counter: int) -> int:
-        start, table = plan.tables.get(index, _EMPTY_TABLE)
-        if not start <= counter < start + len(table):
-            start = counter
-            values = np.minimum(np.arange(TABLE_SIZE, dtype=np.int64) + counter, INT32_MAX).astype(np.int32)
-            table = np.asarray(plan.branch[index](jax.device_put(values, _table_device()))).tolist()
-            plan.tables[index] = (start, table)
-        return table[counter - start]
+    def _step_at(self, plan: _Plan, index: int, control: Control) -> Step:
+        """What update ``index`` does at ``control``: from its table, filled ``TABLE_SIZE`` steps
+        at a time from the control values it is missing."""
+        table = plan.tables[index]
+        found = table.get(control)
+        if found is None:
+            if len(table) >= TABLE_LIMIT:
+                table.clear()
+            start = tuple(jax.device_put(np.int32(v), _table_device()) for v in control)
+            now, branch, after, known = jax.device_get(plan.steps[index](start))
+            now, after = (list(zip(*(x.tolist() for x in values))) for values in (now, after))
+            for c, b, a, k in zip(now, branch.tolist(), after, known.tolist()):
+                table.setdefault(c, (b, a if k else None))
+            found = table[control]
+        return found
 
     def _program(self, key: tuple[int, ...]) -> Callable[..., Any] | None:
         """The program of these branches (a synchronization's), made at its first call; None
@@ -330,7 +369,7 @@ class SplitLocalSteps:
             if (key, entry.signature) not in self._plans:
                 program.trace(*args)
             other, plan = self._plans.get((key, entry.signature)), entry.plan
-            alike = entry.alike[key] = other is not None and other[:2] == plan[:2]  # step_in, step_out
+            alike = entry.alike[key] = other is not None and other[:2] == plan[:2]  # control_in, _out
         return alike
 
     def _pruning(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> _Pruned | None:
@@ -357,7 +396,7 @@ class SplitLocalSteps:
             return None
         # small results that read no argument (flags, a "last sync" of 0): kept on the host, where
         # the caller donates (and so gives up the results it passes back)
-        counters = set(self._plans[(LOCAL, signature)].step_out)
+        counters = set(self._plans[(LOCAL, signature)].returned)
         sizes = [math.prod(np.shape(x)[self._leading :]) for x in jax.tree.leaves(traced.out_info)]
         scalars = [j for j, f in enumerate(forwarded) if f is None and j not in counters and sizes[j] <= 1]
         constant = tuple(sorted(_constant_results(traced, scalars, len(forwarded)))) if self._donate else ()
@@ -442,10 +481,9 @@ class SplitLocalSteps:
             entry.constants = tuple(results[j] for j in pruned.constant)
         return out, results
 
-    def _choose(self, entry: _Entry, counters: list[int], args: tuple) -> Callable[..., Any]:
-        """The program of the branches the counters give the updates: the local program, a
-        synchronization's, else the general program."""
-        branches = tuple(self._branch(entry.plan, i, c) for i, c in enumerate(counters))
+    def _choose(self, entry: _Entry, branches: tuple[int, ...], args: tuple) -> Callable[..., Any]:
+        """The program of the updates' branches: the local program, a synchronization's, else
+        the general program."""
         if -1 in branches:
             return self._general
         key, program = (LOCAL, self._local) if not any(branches) else (branches, self._program(branches))
@@ -458,8 +496,9 @@ class SplitLocalSteps:
         entry = self._entry(treedef, leaves)
         if entry is None:
             return self._general(*args)
-        counters = self._counters(entry, leaves)
-        program = self._choose(entry, counters, args)
+        plan = entry.plan
+        steps = [self._step_at(plan, i, c) for i, c in enumerate(self._controls(entry, leaves))]
+        program = self._choose(entry, tuple(branch for branch, _ in steps), args)
         if program is self._local:
             out, results = self._run_local(entry, args, leaves, treedef)
             self.local_calls += 1
@@ -467,10 +506,12 @@ class SplitLocalSteps:
             out = program(*args)
             results = jax.tree.leaves(out)
             self.sync_calls += program is not self._general
-        arrays = [results[p] for p in entry.plan.step_out]
-        self._counted[id(arrays[0])] = (entry.plan, arrays, [min(c + 1, INT32_MAX) for c in counters])
-        if len(self._counted) > CHAINS:
-            self._counted.pop(next(iter(self._counted)))
+        after = [control for _, control in steps]
+        if None not in after:  # else the next call reads what this one returned
+            arrays = [results[p] for p in plan.returned]
+            self._counted[id(arrays[0])] = (plan, arrays, after)
+            if len(self._counted) > CHAINS:
+                self._counted.pop(next(iter(self._counted)))
         return out
 
     def lower_local(self, *args: Any) -> Any:

@@ -15,6 +15,7 @@ machine); ``daso`` runs the collectives they ask for inside ``lax.cond`` / ``lax
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -32,7 +33,8 @@ from optaxdist.transforms._checks import (
     check_number,
     local_step,
 )
-from optaxdist.transforms.periodic import AgreedParams, initial_agreed, record_agreed
+from optaxdist.transforms.local_program import Schedule, mark_flags, next_update, record
+from optaxdist.transforms.periodic import AGREED, UNTOUCHED, AgreedParams, initial_agreed, record_agreed
 
 NO_GROUP = -1
 
@@ -263,6 +265,57 @@ def next_cycle(
     return out, jnp.where(plateau, 0, bad), feed & improved
 
 
+# What the schedule of the coming batches depends on (``Schedule.control_in``), but for the cycle
+# an epoch's end sets from the loss; FLAGS are booleans.
+CYCLE = ("global_skip", "local_skip", "batches_to_wait")
+CONTROL = ("batch_in_epoch", *CYCLE, "send_group", "previous_send_group", "pending_valid", "local_sync_next")
+FLAGS = ("pending_valid", "local_sync_next")
+
+
+class Choices(NamedTuple):
+    """What one batch's update runs: traced values in the general program, Python values in a
+    harness's program of one branch (``Choices.of``; ``optaxdist.transforms.local_program``).
+
+    Attributes:
+      local_sync: average the gradients over the node first (decided by the batch before).
+      send: 0 no global sync; 1 a send in ``downcast``; 2 in the cycling wire (float32 quirk).
+      merge: 0 nothing; 1 merge the pending send, then broadcast within the node; 2 broadcast only.
+      blocking: average the send just made, then broadcast it within the node.
+      last: the epoch's last batch (the loss's all-reduce; only the general program runs it).
+    """
+
+    local_sync: Any
+    send: Any
+    merge: Any
+    blocking: Any
+    last: Any
+
+    def code(self) -> jax.Array:
+        """The branch these traced choices make (0: the local step alone)."""
+        digits = (_i32(x) for x in (self.local_sync, self.send, self.merge, self.blocking))
+        return sum(weight * x for weight, x in zip((1, 2, 6, 18), digits))
+
+    @classmethod
+    def of(cls, code: int) -> Choices:
+        """The choices of branch ``code``, not at an epoch's end."""
+        return cls(bool(code % 2), code // 2 % 3, code // 6 % 3, bool(code // 18), False)
+
+
+def _pick(pred: Any, a: Any, b: Any) -> Any:
+    """``jnp.where(pred, a, b)``; ``a`` or ``b`` itself where ``pred`` is a Python bool."""
+    if isinstance(pred, bool):
+        return a if pred else b
+    return jnp.where(pred, a, b)
+
+
+def _i32(x: Any) -> jax.Array:
+    return jnp.asarray(x, jnp.int32)
+
+
+def _flag(x: Any) -> jax.Array:
+    return jnp.asarray(x, jnp.bool_)
+
+
 def _storage_dtype(dtype) -> jnp.dtype:
     """The pending sum is kept in float32 (or wider): it holds a bf16/fp16/fp32 sum exactly."""
     dtype = jnp.dtype(dtype)
@@ -333,7 +386,8 @@ def daso(
        plateau resets to ``(max_global_skips, max_global_skips // local_skip_factor, same)``.
 
     Pass the batch loss as ``update(grads, state, params, value=loss)``; without it the plateau
-    detector is not fed and the cycle stays at ``first_cycle``. The update is ``target − params``.
+    detector is not fed and the cycle stays at ``first_cycle``. The update is ``target − params``
+    after a merge or a blocking average, else the local step's own update.
 
     Communication (``P`` = parameter bytes, ``P_w`` = parameter bytes in the wire dtype):
       * intra-node (``local_comm``): a gradient all-reduce of ``P`` on local-sync steps
@@ -445,12 +499,6 @@ def daso(
     def vary(tree):
         return per_replica(per_replica(tree, local_comm), cross_comm)
 
-    def when(pred, fn, operand):
-        return jax.lax.cond(pred, lambda o: vary(fn(o)), vary, operand)
-
-    def switch(index, fns, operand):
-        return jax.lax.switch(index, [lambda o, f=f: vary(f(o)) for f in fns], operand)
-
     def kinds(params) -> dict[Kind, int]:
         out = {
             kind_name("all_reduce", params, scope="local"): payload_bytes(params),
@@ -489,6 +537,70 @@ def daso(
             agreed=initial_agreed(params, vary) if exact_sync else (),
         )
 
+    def plan_of(c: Mapping[str, Any]) -> BatchPlan:
+        """This batch's plan, from the control values ``c`` (``CONTROL``)."""
+        return batch_plan(
+            c["batch_in_epoch"],
+            (c["global_skip"], c["local_skip"], c["batches_to_wait"]),
+            local_sync=c["local_sync_next"],
+            pending_valid=c["pending_valid"],
+            have_previous=c["previous_send_group"] >= 0,
+            last_batch=last_batch,
+            redundant_broadcast=quirks.redundant_broadcast,
+        )
+
+    def sends_low(c: Mapping[str, Any]) -> jax.Array:
+        """A send now goes in ``downcast`` (else in the cycling wire)."""
+        return jnp.asarray(True) if not two_wires else c["global_skip"] < 1
+
+    def decide(c: Mapping[str, Any], plan: BatchPlan) -> Choices:
+        """The general program's choices, traced."""
+        return Choices(
+            local_sync=c["local_sync_next"],
+            send=jnp.where(plan.sync, jnp.where(sends_low(c), 1, 2 if two_wires else 1), 0),
+            merge=jnp.where(plan.merge, 1, jnp.where(plan.broadcast_previous, 2, 0)),
+            blocking=plan.blocking,
+            last=c["batch_in_epoch"] == last_batch,
+        )
+
+    def next_control(c: Mapping[str, Any], choices: Choices, plan: BatchPlan, cycle: tuple, G: int) -> dict:
+        """The control values after this batch (``c``: before it; ``cycle``: ``(gs, ls, btw)``
+        if the epoch ends; ``G``: replicas per node)."""
+        sync, b, group = choices.send != 0, c["batch_in_epoch"], c["send_group"]
+        was_valid = _pick(choices.merge == 1, False, c["pending_valid"])
+        return {
+            "batch_in_epoch": _i32(_pick(choices.last, 0, b + 1)),
+            **{k: _i32(_pick(choices.last, new, c[k])) for k, new in zip(CYCLE, cycle)},
+            "send_group": _i32(_pick(sync, _pick(choices.last, 0, (group + 1) % G), group)),
+            "previous_send_group": _i32(
+                _pick(sync, _pick(choices.blocking, NO_GROUP, group), c["previous_send_group"])
+            ),
+            "pending_valid": _flag(_pick(sync, _pick(choices.blocking, False, True), was_valid)),
+            "local_sync_next": plan.local_sync_next,
+        }
+
+    def schedule(
+        control: tuple[jax.Array, ...], G: int
+    ) -> tuple[jax.Array, tuple[jax.Array, ...], jax.Array]:
+        """``Schedule.plan``: the branch of this batch (-1 at the epoch's end, whose cycle comes
+        from the loss), and the control values after it."""
+        c = {k: v != 0 if k in FLAGS else v for k, v in zip(CONTROL, control)}
+        plan = plan_of(c)
+        choices = decide(c, plan)
+        after = next_control(c, choices, plan, tuple(c[k] for k in CYCLE), G)
+        branch = jnp.where(choices.last, -1, choices.code())
+        return branch, tuple(_i32(after[k]) for k in CONTROL), ~choices.last
+
+    def when(pred, fn, operand):
+        if isinstance(pred, bool):  # a program of one branch
+            return vary(fn(operand) if pred else operand)
+        return jax.lax.cond(pred, lambda o: vary(fn(o)), vary, operand)
+
+    def switch(index, fns, operand):
+        if isinstance(index, int):
+            return vary(fns[index](operand))
+        return jax.lax.switch(index, [lambda o, f=f: vary(f(o)) for f in fns], operand)
+
     def update_fn(updates, state, params=None, *, value=None, **extra):
         if params is None:
             raise ValueError("daso needs params: call update(updates, state, params, value=loss)")
@@ -502,18 +614,15 @@ def daso(
         )  # fmt: skip
         s = state._replace(**cross_comm.uniform(local_comm.uniform({k: getattr(state, k) for k in control})))
         b = s.batch_in_epoch
-        last = b == last_batch
-        plan = batch_plan(
-            b,
-            (s.global_skip, s.local_skip, s.batches_to_wait),
-            local_sync=s.local_sync_next,
-            pending_valid=s.pending_valid,
-            have_previous=s.previous_send_group >= 0,
-            last_batch=last_batch,
-            redundant_broadcast=quirks.redundant_broadcast,
-        )
-        send_low = jnp.asarray(True) if not two_wires else s.global_skip < 1
+        plan = plan_of(s._asdict())
+        send_low = sends_low(s._asdict())
         delay = b - s.pending_sent_batch
+        position, branch = next_update()
+        if branch is None:  # the general program: conditionals on the traced choices
+            choices, before = decide(s._asdict(), plan), s
+        else:  # a harness's program of one branch (``local_program``): the choices are known, and
+            # a field this batch leaves alone is returned as the state holds it, not computed
+            choices, before = Choices.of(branch), state
 
         # ---- 1. intra-node gradient averaging (decided by the previous step) ----
         def average_grads(operand):
@@ -522,7 +631,7 @@ def daso(
 
         ledger = s.daso_ledger
         if G > 1:
-            updates, ledger = when(s.local_sync_next, average_grads, (updates, ledger))
+            updates, ledger = when(choices.local_sync, average_grads, (updates, ledger))
 
         # ---- 2. local step ----
         if value is not None:
@@ -562,8 +671,7 @@ def daso(
             return branch
 
         sends = [lambda o: o, send(low)] + ([send(cycle_wire)] if two_wires else [])
-        send_index = jnp.where(plan.sync, jnp.where(send_low, 1, len(sends) - 1), 0)
-        sent, ledger = switch(send_index, sends, (s.pending_sum, ledger))
+        sent, ledger = switch(choices.send, sends, (before.pending_sum, ledger))
 
         # ---- 4. merge the older pending send, broadcast within the node ----
         def broadcast_from(tree, root, led):
@@ -598,9 +706,8 @@ def daso(
             )
             return broadcast_from(merged, s.previous_send_group, led)
 
-        merge_mode = jnp.where(plan.merge, 1, jnp.where(plan.broadcast_previous, 2, 0))
         target, ledger = switch(
-            merge_mode,
+            choices.merge,
             [lambda o: o, merge_then_broadcast, lambda o: broadcast_from(o[0], s.previous_send_group, o[1])],
             (local, ledger),
         )
@@ -613,13 +720,13 @@ def daso(
                 jax.tree.map(lambda x, tot: divide(tot, n, send_low, x), p, sent), s.send_group, led
             )
 
-        target, ledger = when(plan.blocking, average_then_broadcast, (target, ledger))
+        target, ledger = when(choices.blocking, average_then_broadcast, (target, ledger))
 
         # ---- 6. epoch end: mean loss over all replicas, plateau detector, next (gs, ls, btw) ----
-        loss_sum, loss_count = s.epoch_loss_sum, s.epoch_loss_count
+        loss_sum, loss_count = before.epoch_loss_sum, before.epoch_loss_count
         if value is not None:
-            loss_sum = loss_sum + jnp.mean(jnp.asarray(value).astype(jnp.float32))
-            loss_count = loss_count + 1
+            loss_sum = s.epoch_loss_sum + jnp.mean(jnp.asarray(value).astype(jnp.float32))
+            loss_count = s.epoch_loss_count + 1
 
         def reduce_loss(led):
             both = cross_comm.psum(local_comm.psum(jnp.stack([loss_sum, loss_count.astype(jnp.float32)])))
@@ -638,9 +745,12 @@ def daso(
         def no_loss(led):
             return jnp.asarray(jnp.nan, jnp.float32), jnp.asarray(False), jnp.asarray(False), led
 
-        mean_loss, have_loss, improved, ledger = jax.lax.cond(last, reduce_loss, no_loss, ledger)
-        new_epoch = s.epoch + last.astype(jnp.int32)
-        cycle, bad, record = next_cycle(
+        if branch is None:
+            mean_loss, have_loss, improved, ledger = jax.lax.cond(choices.last, reduce_loss, no_loss, ledger)
+        else:  # a program of one branch never ends an epoch
+            mean_loss, have_loss, improved, ledger = no_loss(ledger)
+        new_epoch = _pick(choices.last, s.epoch + 1, before.epoch)
+        cycle, bad, record_loss = next_cycle(
             new_epoch,
             (s.global_skip, s.local_skip, s.batches_to_wait),
             s.plateau_bad_epochs,
@@ -648,56 +758,67 @@ def daso(
             have_loss=have_loss,
             rules=rules,
         )
-        gs, ls, btw = (
-            jnp.where(last, c, old) for c, old in zip(cycle, (s.global_skip, s.local_skip, s.batches_to_wait))
-        )
 
         # ---- bookkeeping of the global sync ----
-        nonblocking_send = plan.sync & ~plan.blocking
-        minus = jnp.int32(NO_GROUP)
-        merged_or_broadcast = (plan.merge | plan.broadcast_previous) & (G > 1)
+        sync = choices.send != 0
+        nonblocking_send = _pick(sync, _pick(choices.blocking, False, True), False)
+        merged = choices.merge == 1
         events = DasoEvents(
-            local_grad_sync=s.local_sync_next,
-            sent_group=jnp.where(plan.sync, s.send_group, minus),
-            sent_wait=jnp.where(plan.sync, plan.wait, 0).astype(jnp.int32),
-            sent_low_precision=plan.sync & send_low,
-            merged_group=jnp.where(plan.merge, s.previous_send_group, minus),
-            merged_wait=jnp.where(plan.merge, s.pending_wait, 0).astype(jnp.int32),
-            merged_delay=jnp.where(plan.merge, delay, 0).astype(jnp.int32),
-            merge_broadcast_root=jnp.where(merged_or_broadcast, s.previous_send_group, minus),
-            averaged_group=jnp.where(plan.blocking, s.send_group, minus),
-            ended_epoch=last,
+            local_grad_sync=_flag(choices.local_sync),
+            sent_group=_i32(_pick(sync, s.send_group, NO_GROUP)),
+            sent_wait=_i32(_pick(sync, plan.wait, 0)),
+            sent_low_precision=_flag(_pick(sync, send_low, False)),
+            merged_group=_i32(_pick(merged, s.previous_send_group, NO_GROUP)),
+            merged_wait=_i32(_pick(merged, s.pending_wait, 0)),
+            merged_delay=_i32(_pick(merged, delay, 0)),
+            merge_broadcast_root=_i32(_pick((choices.merge != 0) & (G > 1), s.previous_send_group, NO_GROUP)),
+            averaged_group=_i32(_pick(choices.blocking, s.send_group, NO_GROUP)),
+            ended_epoch=_flag(choices.last),
         )
-        out = jax.tree.map(lambda t, p: (t - p).astype(p.dtype), target, params)
+        moved = choices.blocking | (choices.merge != 0)  # a merge or an average set the parameters
+
+        def update(t, p, u):
+            """``t − p``; the local step's own update where it is all that moved the parameters
+            (Heat's in-place step: ``(p + u) − p`` may round otherwise)."""
+            difference = (t - p).astype(p.dtype)
+            return difference if u.dtype != p.dtype else _pick(moved, difference, u)
+
+        out = jax.tree.map(update, target, params, local_updates)
         agreed = state.agreed
         if exact_sync:  # a merge or blocking average broadcast within the node: the node agrees
-            fresh = jnp.asarray(plan.blocking | plan.merge | plan.broadcast_previous)
-            agreed = record_agreed(agreed, target, fresh, vary)
-        i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-        return out, DasoState(
-            batch_in_epoch=i32(jnp.where(last, 0, b + 1)),
+            if branch is None:
+                agreed = record_agreed(agreed, target, jnp.asarray(moved), vary)
+            else:
+                flags = [AGREED if moved else UNTOUCHED] * len(jax.tree.leaves(params))
+                fresh_tree = jax.tree.unflatten(jax.tree.structure(params), flags)
+                agreed = record_agreed(agreed, target, fresh_tree, vary)
+                mark_flags(agreed.fresh, flags)
+        new_state = DasoState(
+            **next_control(before._asdict(), choices, plan, cycle, G),
             epoch=new_epoch,
-            global_skip=i32(gs),
-            local_skip=i32(ls),
-            batches_to_wait=i32(btw),
-            send_group=i32(jnp.where(plan.sync, jnp.where(last, 0, (s.send_group + 1) % G), s.send_group)),
-            previous_send_group=i32(
-                jnp.where(plan.sync, jnp.where(plan.blocking, NO_GROUP, s.send_group), s.previous_send_group)
-            ),
             pending_sum=sent,
-            pending_wait=i32(jnp.where(nonblocking_send, plan.wait, s.pending_wait)),
-            pending_sent_batch=i32(jnp.where(nonblocking_send, b, s.pending_sent_batch)),
-            pending_valid=jnp.where(plan.sync, ~plan.blocking, s.pending_valid & ~plan.merge),
-            pending_low_precision=jnp.where(nonblocking_send, send_low, s.pending_low_precision),
-            local_sync_next=plan.local_sync_next,
-            epoch_loss_sum=jnp.where(last, 0.0, loss_sum).astype(jnp.float32),
-            epoch_loss_count=i32(jnp.where(last, 0, loss_count)),
-            best_epoch_loss=jnp.where(last & record, mean_loss, s.best_epoch_loss).astype(jnp.float32),
-            plateau_bad_epochs=i32(jnp.where(last, bad, s.plateau_bad_epochs)),
+            pending_wait=_i32(_pick(nonblocking_send, plan.wait, before.pending_wait)),
+            pending_sent_batch=_i32(_pick(nonblocking_send, b, before.pending_sent_batch)),
+            pending_low_precision=_flag(_pick(nonblocking_send, send_low, before.pending_low_precision)),
+            epoch_loss_sum=_pick(choices.last, jnp.float32(0), loss_sum).astype(jnp.float32),
+            epoch_loss_count=_i32(_pick(choices.last, 0, loss_count)),
+            best_epoch_loss=_pick(
+                choices.last, _pick(record_loss, mean_loss, before.best_epoch_loss), before.best_epoch_loss
+            ).astype(jnp.float32),
+            plateau_bad_epochs=_i32(_pick(choices.last, bad, before.plateau_bad_epochs)),
             last_events=events,
             inner_state=inner_state,
             daso_ledger=ledger,
             agreed=agreed,
         )
+        record(
+            Schedule(
+                tuple(getattr(state, k) for k in CONTROL),
+                tuple(getattr(new_state, k) for k in CONTROL),
+                functools.partial(schedule, G=G),
+                position,
+            )
+        )
+        return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -8,19 +8,20 @@ every branch's buffers are reserved. A harness made with ``split_local_steps=Tru
 per branch that runs instead:
 
 * the **general** program, as without the option; while it is traced, each periodic update
-  records a ``Schedule``: the counter it got, the counter it returns, and a function that tells
-  from a counter value which branch the update takes there, where a program of that branch alone
-  computes it (not at the start check, in the warm-up, or on the first step after it, where a
-  ``begin`` hook runs: those run the general program);
+  records a ``Schedule``: the control values it got (a step counter), the ones it returns, and a
+  function that tells from control values which branch the update takes there, where a program
+  of that branch alone computes it (not at the start check, in the warm-up, or on the first step
+  after it, where a ``begin`` hook runs: those run the general program), and what it returns;
 * the **local** program, traced under ``tracing(branches=lambda position: 0)``: each periodic
   update emits its local step only (the switch's branch 0, without the start check);
 * a **synchronization's** program, traced under ``tracing(branches=...)`` with the branch of each
   update: the local step and that synchronization, without a conditional (compiled the first
   time a call takes it).
 
-The harness keeps the counters on the host (read from the device once, and again only when a
-call gets a state that none of the last calls returned) and runs, on each call, the program of
-the branches every recorded update takes. These programs run the same operations, which XLA may
+The harness keeps the control values on the host (read from the device once, and again only
+when a call gets a state that none of the last calls returned, or after a call whose control
+depends on the data) and runs, on each call, the program of the branches every recorded update
+takes. These programs run the same operations, which XLA may
 compile differently: the local program may fuse ``params + lr · m`` into one fused multiply-add
 where the general program rounds the update first. ``tests/test_split_local_steps.py`` compares
 them bit for bit where no product rounds (momentum SGD at learning rates that are powers of
@@ -41,20 +42,23 @@ class Schedule(NamedTuple):
     """One periodic update, as traced.
 
     Attributes:
-      step_in: the (traced) step counter the update got.
-      step_out: the (traced) step counter it returned.
-      branch: ``counters → int32``: for int32 counter values (an array, as ``step_in`` holds
-        them), the branch of the schedule the update at that value takes, where a program of
-        that branch alone computes it: 0 the local step only, ``k ≥ 1`` the local step then
-        synchronization ``k``; -1 where only the general program does (the start check, the
-        warm-up, a ``begin`` hook). Pure jnp.
+      control_in: the (traced) replicated scalars its schedule reads, a tuple: the step counter
+        of the periodic engine, DASO's batch index, cycle and pending send.
+      control_out: the ones it returned, in the same order.
+      plan: ``control → (branch, next control, known)``, pure jnp on int32 scalars (booleans as
+        0 / 1): the branch the update takes at ``control``, where a program of that branch alone
+        computes it (0: the local step only; ``k ≥ 1``: the local step then synchronization
+        ``k``; -1: only the general program does, as at the start check, in the warm-up or where
+        a ``begin`` hook runs), the control it returns there, and whether that does not depend
+        on the data (False where it does, as DASO's cycle at an epoch's end: the harness then
+        reads the returned control from the device).
       position: the update's place in the step, in the order of ``next_update`` calls (the
         index of its branch in a harness's ``tracing(branches=...)``).
     """
 
-    step_in: Any
-    step_out: Any
-    branch: Callable[[jax.Array], jax.Array]
+    control_in: tuple[Any, ...]
+    control_out: tuple[Any, ...]
+    plan: Callable[[tuple[jax.Array, ...]], tuple[jax.Array, tuple[jax.Array, ...], jax.Array]]
     position: int
 
 

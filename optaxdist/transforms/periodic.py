@@ -363,6 +363,11 @@ def periodic(
                 alone &= counters != 0
             return jnp.where(alone, index, -1).astype(jnp.int32)
 
+        def plan_at(control: tuple[jax.Array]) -> tuple[jax.Array, tuple[jax.Array], jax.Array]:
+            """``Schedule.plan``: the branch at this step, the next step, known beforehand."""
+            (counter,) = control
+            return branch_at(counter), (optax.safe_increment(counter),), jnp.asarray(True)
+
         operand = (updates, state.inner_state, sync_state, ledger, state.agreed)
         if branch is not None:  # the harness runs this program only where ``branch_at`` gives it
             then = bodies[branch - 1] if branch else None
@@ -391,7 +396,7 @@ def periodic(
             ledger=ledger,
             agreed=agreed,
         )
-        record(Schedule(state.step, new_state.step, branch_at, position))
+        record(Schedule((state.step,), (new_state.step,), plan_at, position))
         return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
