@@ -220,14 +220,14 @@ def test_interleaved_runs_are_counted_without_reading(monkeypatch):
     tx = CASES["local_sgd"][0](od.AxisComm(REPLICA), "ignore")
     grads = _grads(10)
     reads = []
-    host_counter = split_module._host_counter
-    monkeypatch.setattr(split_module, "_host_counter", lambda x: reads.append(1) or host_counter(x))
+    host_counters = split_module._host_counters
+    monkeypatch.setattr(split_module, "_host_counters", lambda xs: reads.append(len(xs)) or host_counters(xs))
     split = od.simulate(_step(tx), split_local_steps=True)
     runs = [(_params(), od.simulate(tx.init)(_params())) for _ in range(2)]
     for g in grads:
         runs = [split(params, state, g) for params, state in runs]
         runs[1] = split(*runs[1], jax.tree.map(np.asarray, g))  # and a NumPy batch
-    assert len(reads) == 2
+    assert reads == [1, 1]
     _assert_same_bits(_run(od.simulate(_step(tx)), tx, [g for g in grads for _ in range(2)]), runs[1])
 
 
@@ -438,8 +438,8 @@ def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
 
     nodes, per_node, batches, epochs = 2, 2, 12, 5
     reads = []
-    host_counter = split_module._host_counter
-    monkeypatch.setattr(split_module, "_host_counter", lambda x: reads.append(1) or host_counter(x))
+    host_counters = split_module._host_counters
+    monkeypatch.setattr(split_module, "_host_counters", lambda xs: reads.append(len(xs)) or host_counters(xs))
     if where == "simulate":
         h = od.axis_hierarchy(nodes, per_node)
         wrap = lambda f, **kw: od.simulate(f, axis_name=("node", "local"), shape=(nodes, per_node), **kw)  # noqa: E731
@@ -484,9 +484,42 @@ def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
     assert (split.local_calls == 0) == quirks and len(split._syncs) >= 3
     # the general program: the first call, then each epoch's last batch
     assert split.local_calls + split.sync_calls == batches * epochs - 1 - epochs
-    assert len(reads) == 8 * epochs  # the control: at the second call, after each epoch's end
+    assert reads == [8] * epochs  # the control, in one read: at the second call, after each epoch's end
     compiled = split.local_program.lower(params, state, grads[0], losses[0]).compile().as_text()
     assert "conditional(" not in compiled and "all-reduce(" not in compiled
+
+
+def test_daso_sends_bfloat16_parameters_as_the_general_program_rounds_them():
+    """bfloat16 parameters summed over the nodes in float32: a program of one branch sends the
+    parameters after the local step rounded to bfloat16, as the general program's conditionals
+    leave them (XLA:CPU may otherwise keep them in float32: excess precision)."""
+    h = od.axis_hierarchy(2, 2)
+    tx = od.daso(
+        _momentum(),
+        local_comm=h.local,
+        cross_comm=h.cross,
+        steps_per_epoch=12,
+        total_epochs=3,
+        downcast="float32",
+        warmup_epochs=1,
+        cooldown_epochs=1,
+    )
+
+    def step(params, state, grads, loss):
+        updates, state = tx.update(grads, state, params, value=loss)
+        return od.apply_updates(params, updates, state), state
+
+    wrap = lambda f, **kw: od.simulate(f, axis_name=("node", "local"), shape=(2, 2), **kw)  # noqa: E731
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
+    grads = [jax.tree.map(lambda g: g.astype(jnp.bfloat16), g) for g in _grads(3)]
+    runs = []
+    for split in (False, True):
+        run, p, state = wrap(step, split_local_steps=split), params, wrap(tx.init)(params)
+        for g in grads:  # the start, then two blocking averages of the warm-up
+            p, state = run(p, state, g, jnp.ones(N))
+        runs.append((p, state))
+    _assert_same_bits(*runs)
+    assert run.sync_calls == 2
 
 
 @pytest.mark.parametrize("where", ["simulate", "mesh"])

@@ -571,7 +571,7 @@ def _time_donated(
     ``chained``: rows of a ``split_local_steps`` step, whose calls find their counters on the
     host only when the state is one a call of theirs returned: each timed call follows an
     untimed one from ``reset(name, state, 1)`` (the schedule one step earlier). A row whose step
-    runs no program of fixed branches (DASO) is timed like the others."""
+    runs no program of fixed branches is timed like the others."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: dict[str, list[float]] = {k: [] for k in calls}
     chained = list(chained)

@@ -90,8 +90,8 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
         control_out = tuple(tuple(outputs[id(x)] for x in r.control_out) for r in recorded)
     except KeyError:
         why = (
-            "a periodic update's step counter is not one of the step's own arguments and results "
-            "(an update inside optax.MultiSteps, a lax.scan or another transform's branch, or a "
+            "a periodic update's step counter (or control values) is not among the step's own arguments and "
+            "results (an update inside optax.MultiSteps, a lax.scan or another transform's branch, or a "
             "state the step does not return)"
         )
     else:
@@ -106,7 +106,9 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
                 tuple(inputs.get(id(x)) for x in out_leaves),
                 jax.tree.structure(out),
             )
-        why = "the step runs no periodic transform"
+        why = (
+            "the step runs no periodic transform (DASO with one batch per epoch ends an epoch on every call)"
+        )
     warnings.warn(f"split_local_steps: {why}; every call runs the general program", stacklevel=2)
     return None
 
@@ -140,12 +142,11 @@ def _steps(plan: Callable[..., Any]) -> Callable[..., Any]:
     return jax.jit(run)
 
 
-def _host_counter(x: Any) -> int:
-    """A replicated counter's value: the largest over the replicas this process holds (what
-    ``Communicator.uniform`` makes of it under ``simulate``); one blocking read."""
-    if isinstance(x, jax.Array):
-        return max(int(np.asarray(s.data).max()) for s in x.addressable_shards)
-    return int(np.asarray(x).max())
+def _host_counters(arrays: Sequence[Any]) -> list[int]:
+    """Replicated control values: each the largest over the replicas this process holds (what
+    ``Communicator.uniform`` makes of it under ``simulate``); one blocking read for all of them."""
+    shards = [[s.data for s in x.addressable_shards] if isinstance(x, jax.Array) else [x] for x in arrays]
+    return [int(max(np.asarray(v).max() for v in values)) for values in jax.device_get(shards)]
 
 
 def _table_device() -> jax.Device:
@@ -285,8 +286,9 @@ class SplitLocalSteps:
         self._syncs: dict[tuple[int, ...], Callable[..., Any]] = {}  # branches → program
         self._entries: dict[tuple, _Entry] = {}
         self._recent: tuple[tuple, _Entry] | None = None  # the last call's key and entry
-        # the counters calls returned and no call took yet: id of the first → (plan, arrays, values)
-        self._counted: dict[int, tuple[_Plan, list, list[int]]] = {}  # in order of insertion
+        # the control values calls returned and no call took yet: id of the first → (plan, their
+        # arrays, their values)
+        self._counted: dict[int, tuple[_Plan, list, list[Control]]] = {}  # in order of insertion
         self.local_calls = self.sync_calls = 0
 
     def _recording(self, step: Callable[..., Any], key: str | tuple[int, ...] | None) -> Callable[..., Any]:
@@ -329,13 +331,15 @@ class SplitLocalSteps:
         return entry
 
     def _controls(self, entry: _Entry, leaves: list) -> list[Control]:
+        """The updates' control values: counted from the last calls, else read."""
         plan = entry.plan
         known = self._counted.pop(id(leaves[plan.read[0]]), None)  # the chain goes on from this call
         if known is not None:
             counted, arrays, values = known
             if counted is plan and all(leaves[p] is a for p, a in zip(plan.read, arrays)):
                 return values
-        return [tuple(_host_counter(leaves[p]) for p in positions) for positions in plan.control_in]
+        values = iter(_host_counters([leaves[p] for p in plan.read]))
+        return [tuple(next(values) for _ in positions) for positions in plan.control_in]
 
     def _step_at(self, plan: _Plan, index: int, control: Control) -> Step:
         """What update ``index`` does at ``control``: from its table, filled ``TABLE_SIZE`` steps

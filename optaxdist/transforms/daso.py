@@ -9,7 +9,8 @@ cycling with a plateau detector on the training loss, cool-down) chooses how oft
 Everything Heat keeps on the host lives here in the optimizer state: the user calls ``update``
 once per batch, passing the batch loss as ``value=``. The schedule is two pure functions of
 replicated scalars, ``batch_plan`` (what this batch does) and ``next_cycle`` (the epoch-end state
-machine); ``daso`` runs the collectives they ask for inside ``lax.cond`` / ``lax.switch``.
+machine); ``daso`` runs the collectives they ask for inside ``lax.cond`` / ``lax.switch``, or, in
+a harness's program of one kind of batch (``split_local_steps=True``), without a conditional.
 """
 
 from __future__ import annotations
@@ -272,6 +273,9 @@ CONTROL = ("batch_in_epoch", *CYCLE, "send_group", "previous_send_group", "pendi
 FLAGS = ("pending_valid", "local_sync_next")
 
 
+CHOICES = (2, 3, 3, 2)  # how many values each of the first four ``Choices`` takes
+
+
 class Choices(NamedTuple):
     """What one batch's update runs: traced values in the general program, Python values in a
     harness's program of one branch (``Choices.of``; ``optaxdist.transforms.local_program``).
@@ -291,14 +295,22 @@ class Choices(NamedTuple):
     last: Any
 
     def code(self) -> jax.Array:
-        """The branch these traced choices make (0: the local step alone)."""
-        digits = (_i32(x) for x in (self.local_sync, self.send, self.merge, self.blocking))
-        return sum(weight * x for weight, x in zip((1, 2, 6, 18), digits))
+        """The branch these traced choices make (0: the local step alone): their digits, in the
+        radices ``CHOICES``."""
+        code, weight = _i32(0), 1
+        for choice, radix in zip(self, CHOICES):
+            code, weight = code + weight * _i32(choice), weight * radix
+        return code
 
     @classmethod
     def of(cls, code: int) -> Choices:
         """The choices of branch ``code``, not at an epoch's end."""
-        return cls(bool(code % 2), code // 2 % 3, code // 6 % 3, bool(code // 18), False)
+        digits = []
+        for radix in CHOICES:
+            code, digit = divmod(code, radix)
+            digits.append(digit)
+        local_sync, send, merge, blocking = digits
+        return cls(bool(local_sync), send, merge, bool(blocking), False)
 
 
 def _pick(pred: Any, a: Any, b: Any) -> Any:
@@ -553,10 +565,10 @@ def daso(
         """A send now goes in ``downcast`` (else in the cycling wire)."""
         return jnp.asarray(True) if not two_wires else c["global_skip"] < 1
 
-    def decide(c: Mapping[str, Any], plan: BatchPlan) -> Choices:
-        """The general program's choices, traced."""
+    def decide(c: Mapping[str, Any], plan: BatchPlan, G: int) -> Choices:
+        """The general program's choices, traced (``G``: replicas per node)."""
         return Choices(
-            local_sync=c["local_sync_next"],
+            local_sync=c["local_sync_next"] & (G > 1),  # a node of one averages nothing
             send=jnp.where(plan.sync, jnp.where(sends_low(c), 1, 2 if two_wires else 1), 0),
             merge=jnp.where(plan.merge, 1, jnp.where(plan.broadcast_previous, 2, 0)),
             blocking=plan.blocking,
@@ -586,7 +598,7 @@ def daso(
         from the loss), and the control values after it."""
         c = {k: v != 0 if k in FLAGS else v for k, v in zip(CONTROL, control)}
         plan = plan_of(c)
-        choices = decide(c, plan)
+        choices = decide(c, plan, G)
         after = next_control(c, choices, plan, tuple(c[k] for k in CYCLE), G)
         branch = jnp.where(choices.last, -1, choices.code())
         return branch, tuple(_i32(after[k]) for k in CONTROL), ~choices.last
@@ -607,19 +619,21 @@ def daso(
         G, N = local_comm.size, cross_comm.size
         # The replicated control state, seen as uniform so that every cond/switch below stays a
         # branch under simulate (see Communicator.uniform).
-        control = (
+        replicated = (
             "batch_in_epoch", "epoch", "global_skip", "local_skip", "batches_to_wait", "send_group",
             "previous_send_group", "pending_wait", "pending_sent_batch", "pending_valid",
             "pending_low_precision", "local_sync_next", "plateau_bad_epochs",
         )  # fmt: skip
-        s = state._replace(**cross_comm.uniform(local_comm.uniform({k: getattr(state, k) for k in control})))
+        uniform = cross_comm.uniform(local_comm.uniform({k: getattr(state, k) for k in replicated}))
+        s = state._replace(**uniform)
         b = s.batch_in_epoch
         plan = plan_of(s._asdict())
         send_low = sends_low(s._asdict())
         delay = b - s.pending_sent_batch
-        position, branch = next_update()
+        # with one batch per epoch every batch ends one: the general program runs them all
+        position, branch = next_update() if last_batch > 0 else (0, None)
         if branch is None:  # the general program: conditionals on the traced choices
-            choices, before = decide(s._asdict(), plan), s
+            choices, before = decide(s._asdict(), plan, G), s
         else:  # a harness's program of one branch (``local_program``): the choices are known, and
             # a field this batch leaves alone is returned as the state holds it, not computed
             choices, before = Choices.of(branch), state
@@ -646,7 +660,11 @@ def daso(
             vary=vary,
             **extra,
         )
-        local = jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, local_updates)
+        # materialized in the parameters' dtype, as the general program's conditionals do: a
+        # program of one branch may otherwise send bfloat16 parameters unrounded (excess precision)
+        local = jax.lax.optimization_barrier(
+            jax.tree.map(lambda p, u: (p + u).astype(p.dtype), params, local_updates)
+        )
 
         # ---- 3. send: every group all-reduces over cross_comm; group send_group keeps it ----
         def send(wire):
@@ -764,7 +782,7 @@ def daso(
         nonblocking_send = _pick(sync, _pick(choices.blocking, False, True), False)
         merged = choices.merge == 1
         events = DasoEvents(
-            local_grad_sync=_flag(choices.local_sync),
+            local_grad_sync=_flag(before.local_sync_next),
             sent_group=_i32(_pick(sync, s.send_group, NO_GROUP)),
             sent_wait=_i32(_pick(sync, plan.wait, 0)),
             sent_low_precision=_flag(_pick(sync, send_low, False)),
@@ -811,14 +829,15 @@ def daso(
             daso_ledger=ledger,
             agreed=agreed,
         )
-        record(
-            Schedule(
-                tuple(getattr(state, k) for k in CONTROL),
-                tuple(getattr(new_state, k) for k in CONTROL),
-                functools.partial(schedule, G=G),
-                position,
+        if last_batch > 0:
+            record(
+                Schedule(
+                    tuple(getattr(state, k) for k in CONTROL),
+                    tuple(getattr(new_state, k) for k in CONTROL),
+                    functools.partial(schedule, G=G),
+                    position,
+                )
             )
-        )
         return out, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
