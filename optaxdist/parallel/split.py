@@ -90,8 +90,8 @@ def _plan(arg_leaves: list, out: Any, recorded: list[local_program.Schedule]) ->
         control_out = tuple(tuple(outputs[id(x)] for x in r.control_out) for r in recorded)
     except KeyError:
         why = (
-            "a periodic update's step counter (or control values) is not among the step's own arguments and "
-            "results (an update inside optax.MultiSteps, a lax.scan or another transform's branch, or a "
+            "a periodic update's step counter is not one of the step's own arguments and results "
+            "(an update inside optax.MultiSteps, a lax.scan or another transform's branch, or a "
             "state the step does not return)"
         )
     else:
