@@ -398,8 +398,7 @@ def daso(
        plateau resets to ``(max_global_skips, max_global_skips // local_skip_factor, same)``.
 
     Pass the batch loss as ``update(grads, state, params, value=loss)``; without it the plateau
-    detector is not fed and the cycle stays at ``first_cycle``. The update is ``target − params``
-    after a merge or a blocking average, else the local step's own update.
+    detector is not fed and the cycle stays at ``first_cycle``. The update is ``target − params``.
 
     Communication (``P`` = parameter bytes, ``P_w`` = parameter bytes in the wire dtype):
       * intra-node (``local_comm``): a gradient all-reduce of ``P`` on local-sync steps
@@ -796,10 +795,12 @@ def daso(
         moved = choices.blocking | (choices.merge != 0)  # a merge or an average set the parameters
 
         def update(t, p, u):
-            """``t − p``; the local step's own update where it is all that moved the parameters
-            (Heat's in-place step: ``(p + u) − p`` may round otherwise)."""
-            difference = (t - p).astype(p.dtype)
-            return difference if u.dtype != p.dtype else _pick(moved, difference, u)
+            """``t − p``; in a program of one kind of batch where only the local step moved the
+            parameters, that step's own update ``u``: ``p + ((p + u) − p)`` is ``p + u`` unless
+            the subtraction rounds, and computing it made XLA copy the donated parameters."""
+            if branch is not None and not moved and u.dtype == p.dtype:
+                return u
+            return (t - p).astype(p.dtype)
 
         out = jax.tree.map(update, target, params, local_updates)
         agreed = state.agreed
