@@ -436,7 +436,7 @@ def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
     collective."""
     from optaxdist.parallel import split as split_module
 
-    nodes, per_node, batches, epochs = 2, 2, 12, 5
+    nodes, per_node, batches, epochs = 2, 2, 12, 4
     reads = []
     host_counters = split_module._host_counters
     monkeypatch.setattr(split_module, "_host_counters", lambda xs: reads.append(len(xs)) or host_counters(xs))
@@ -453,7 +453,7 @@ def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
         steps_per_epoch=batches,
         total_epochs=epochs,
         warmup_epochs=1,
-        cooldown_epochs=1,
+        cooldown_epochs=0,
         max_global_skips=8,
         local_skip_factor=4,
         plateau_patience=0,
