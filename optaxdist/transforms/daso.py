@@ -273,7 +273,7 @@ CONTROL = ("batch_in_epoch", *CYCLE, "send_group", "previous_send_group", "pendi
 FLAGS = ("pending_valid", "local_sync_next")
 
 
-CHOICES = (2, 3, 3, 2)  # how many values each of the first four ``Choices`` takes
+CHOICE_RADICES = (2, 3, 3, 2)  # how many values each of the first four ``Choices`` takes
 
 
 class Choices(NamedTuple):
@@ -296,9 +296,9 @@ class Choices(NamedTuple):
 
     def code(self) -> jax.Array:
         """The branch these traced choices make (0: the local step alone): their digits, in the
-        radices ``CHOICES``."""
+        radices ``CHOICE_RADICES``."""
         code, weight = _i32(0), 1
-        for choice, radix in zip(self, CHOICES):
+        for choice, radix in zip(self, CHOICE_RADICES):
             code, weight = code + weight * _i32(choice), weight * radix
         return code
 
@@ -306,7 +306,7 @@ class Choices(NamedTuple):
     def of(cls, code: int) -> Choices:
         """The choices of branch ``code``, not at an epoch's end."""
         digits = []
-        for radix in CHOICES:
+        for radix in CHOICE_RADICES:
             code, digit = divmod(code, radix)
             digits.append(digit)
         local_sync, send, merge, blocking = digits
