@@ -600,7 +600,7 @@ def daso(
         choices = decide(c, plan, G)
         after = next_control(c, choices, plan, tuple(c[k] for k in CYCLE), G)
         branch = jnp.where(choices.last, -1, choices.code())
-        return branch, tuple(_i32(after[k]) for k in CONTROL), ~choices.last
+        return branch, tuple(after[k] for k in CONTROL), ~choices.last
 
     def when(pred, fn, operand):
         if isinstance(pred, bool):  # a program of one branch
@@ -626,13 +626,13 @@ def daso(
         uniform = cross_comm.uniform(local_comm.uniform({k: getattr(state, k) for k in replicated}))
         s = state._replace(**uniform)
         b = s.batch_in_epoch
-        plan = plan_of(s._asdict())
-        send_low = sends_low(s._asdict())
+        control = s._asdict()
+        plan, send_low = plan_of(control), sends_low(control)
         delay = b - s.pending_sent_batch
         # with one batch per epoch every batch ends one: the general program runs them all
         position, branch = next_update() if last_batch > 0 else (0, None)
         if branch is None:  # the general program: conditionals on the traced choices
-            choices, before = decide(s._asdict(), plan, G), s
+            choices, before = decide(control, plan, G), s
         else:  # a harness's program of one branch (``local_program``): the choices are known, and
             # a field this batch leaves alone is returned as the state holds it, not computed
             choices, before = Choices.of(branch), state

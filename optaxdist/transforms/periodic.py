@@ -258,7 +258,7 @@ def periodic(
     step, on every harness. A harness made with ``split_local_steps=True`` also traces the step
     with the local step alone, and with the local step and each synchronization
     (``optaxdist.transforms.local_program``), and runs on each step the program of the branch
-    ``branch_at`` gives it: no switch, so the update fuses with what follows.
+    ``Schedule.plan`` gives it: no switch, so the update fuses with what follows.
     """
     check_transformation("inner", inner)
     check_warmup_steps(warmup_steps)
@@ -350,26 +350,23 @@ def periodic(
 
         num_syncs = len(bodies)
 
-        def branch_at(counters: jax.Array) -> jax.Array:
-            """The schedule's synchronization at these counter values (0: none), where the local
-            step and it are all the update runs; -1 at the start check, in the warm-up, where
-            ``begin`` runs, and where the schedule gives no synchronization's index (the
-            switch's clamping decides there)."""
-            index = schedule(counters - warmup_steps, num_syncs)
-            alone = (counters >= warmup_steps) & (index >= 0) & (index <= num_syncs)
-            if begin is not None:
-                alone &= counters != warmup_steps
-            if check_start:
-                alone &= counters != 0
-            return jnp.where(alone, index, -1).astype(jnp.int32)
-
         def plan_at(control: tuple[jax.Array]) -> tuple[jax.Array, tuple[jax.Array], jax.Array]:
-            """``Schedule.plan``: the branch at this step, the next step, known beforehand."""
+            """``Schedule.plan``: at this step, the schedule's synchronization (0: none), where
+            the local step and it are all the update runs, else -1 (the start check, the
+            warm-up, where ``begin`` runs, and where the schedule gives no synchronization's
+            index: the switch's clamping decides there); the next step, known beforehand."""
             (counter,) = control
-            return branch_at(counter), (optax.safe_increment(counter),), jnp.asarray(True)
+            index = schedule(counter - warmup_steps, num_syncs)
+            alone = (counter >= warmup_steps) & (index >= 0) & (index <= num_syncs)
+            if begin is not None:
+                alone &= counter != warmup_steps
+            if check_start:
+                alone &= counter != 0
+            branch = jnp.where(alone, index, -1).astype(jnp.int32)
+            return branch, (optax.safe_increment(counter),), jnp.asarray(True)
 
         operand = (updates, state.inner_state, sync_state, ledger, state.agreed)
-        if branch is not None:  # the harness runs this program only where ``branch_at`` gives it
+        if branch is not None:  # the harness runs this program only where ``plan_at`` gives it
             then = bodies[branch - 1] if branch else None
             out, inner_state, sync_state, ledger, agreed = local(operand, then)
             last_sync = jnp.asarray(branch, jnp.int32)
