@@ -501,5 +501,6 @@ def test_split_local_steps_computes_the_same(harness):
         np.testing.assert_array_equal(b, a)
     # warm-up at 0 (and the start check), anchors at 1, syncs at s = 2, 5 (t = 3, 6)
     assert (split.local_calls, split.sync_calls) == (8 - 1 - 1 - 2, 2)
-    # the local program took only what it reads and returned only what it changes
-    assert [p is not None for p in split._pruned.values()] == [True]
+    # the local program, and the synchronization's, took only what they read and returned only
+    # what they change
+    assert [p is not None for p in split._pruned.values()] == [True, True]

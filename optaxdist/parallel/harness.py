@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -182,10 +183,10 @@ class AgreedStep:
 
 
 @functools.lru_cache(maxsize=256)
-def _misplaced_replica_axes(spec: P, ndim: int, names: tuple[str, ...]) -> str | None:
+def _misplaced_replica_axes(spec: P, names: tuple[str, ...]) -> str | None:
     """Why ``spec`` splits an array over a replica axis elsewhere than alone on its leading
     (stacked) dimension, or None when it does not."""
-    for dim, entry in enumerate(tuple(spec)[:ndim]):
+    for dim, entry in enumerate(spec):
         axes = (entry,) if isinstance(entry, str) else tuple(entry) if isinstance(entry, tuple) else ()
         replica = [a for a in axes if a in names]
         if dim > 0 and replica:
@@ -199,25 +200,35 @@ def _misplaced_replica_axes(spec: P, ndim: int, names: tuple[str, ...]) -> str |
 
 
 @functools.lru_cache(maxsize=1024)
-def _misplaced_sharding(sharding: NamedSharding, ndim: int, names: tuple[str, ...]) -> str | None:
+def _misplaced_sharding(sharding: NamedSharding, names: tuple[str, ...]) -> str | None:
     """``_misplaced_replica_axes`` of a sharding on a mesh with the replica axes, else None
-    (cached: every call of a step checks every argument)."""
+    (cached: every call of a step checks every argument). An array's sharding has at most one
+    entry per dimension, so its spec alone says where it splits."""
     if not set(names) <= set(sharding.mesh.axis_names):
         return None
-    return _misplaced_replica_axes(sharding.spec, ndim, names)
+    return _misplaced_replica_axes(sharding.spec, names)
+
+
+_SHARDING = operator.attrgetter("sharding")  # a concrete array's sharding, at C speed
 
 
 def _check_replica_placement(args: tuple, mesh: Mesh, names: tuple[str, ...]) -> None:
     """Raise ``ValueError`` if a concrete argument's ``NamedSharding`` on a mesh with the replica
-    axes puts one of them anywhere but alone on the leading (stacked) dimension."""
+    axes puts one of them anywhere but alone on the leading (stacked) dimension. Each call reads
+    the arguments' distinct shardings (one, or a few, for a training step's arrays)."""
 
     def bad(leaf) -> str | None:
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, NamedSharding):
             return None
-        return _misplaced_sharding(sharding, leaf.ndim, names)  # an array (has a sharding)
+        return _misplaced_sharding(sharding, names)
 
-    if not any(bad(leaf) for leaf in jax.tree.leaves(args)):
+    leaves = jax.tree.leaves(args)
+    try:
+        shardings = set(map(_SHARDING, leaves))
+    except AttributeError:  # NumPy arrays, Python scalars, tracers
+        shardings = {getattr(leaf, "sharding", None) for leaf in leaves}
+    if not any(isinstance(s, NamedSharding) and _misplaced_sharding(s, names) for s in shardings):
         return
     for path, leaf in jax.tree_util.tree_leaves_with_path(args):
         why = bad(leaf)

@@ -51,7 +51,8 @@ class _Plan(NamedTuple):
 
 @dataclasses.dataclass(slots=True)
 class _Pruned:
-    """The local program of one signature as a function of what it reads and writes
+    """A program of fixed branches (the local program, or a synchronization's) for one signature
+    as a function of what it reads and writes
     (``SplitLocalSteps._pruning``): the positions of the argument leaves it takes, split into
     those whose buffers it may reuse and the others; for each result the argument leaf it is
     (returned by the host, not by the program), else None; the results that read no argument
@@ -200,16 +201,17 @@ _AVAL = operator.attrgetter("aval")  # an array's abstract value (shape, dtype, 
 
 class _Entry:
     """What the calls of one signature (the arguments as given, stacked axes included) share: the
-    general program's plan, whether the local program traces alike, the pruned program, and the
-    results it keeps on the host (``constants``, from the last call of the whole local program)."""
+    general program's plan, and per program of fixed branches (its key) whether it traces alike,
+    its pruned program, and the results that one keeps on the host (``constants``, from the last
+    call of the whole program)."""
 
     __slots__ = ("signature", "plan", "arrays", "alike", "pruned", "constants")
 
     def __init__(self, signature: tuple, plan: _Plan, *, arrays: bool):
         self.signature, self.plan, self.arrays = signature, plan, arrays  # arrays: every leaf a jax.Array
         self.alike: dict[str | tuple[int, ...], bool] = {}  # program's key → traces alike
-        self.pruned: _Pruned | None | bool = False  # False: not looked up yet
-        self.constants: tuple[jax.Array, ...] = ()
+        self.pruned: dict[str | tuple[int, ...], _Pruned | None] = {}  # absent: not looked up yet
+        self.constants: dict[str | tuple[int, ...], tuple[jax.Array, ...]] = {}
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence], tuple]:
@@ -228,7 +230,7 @@ def _branches(key: str | tuple[int, ...] | None) -> Callable[[int], int | None] 
 
 
 class _NotAsTraced(Exception):
-    """The pruned local program's trace forwards other arguments than the full one's."""
+    """A pruned program's trace forwards other arguments than the whole one's."""
 
 
 class SplitLocalSteps:
@@ -253,16 +255,17 @@ class SplitLocalSteps:
     control value.
     Arguments that are tracers (a call from inside another ``jax.jit``) run the general program.
 
-    The local program runs as a function of what it reads and writes (``_pruning``): an argument
-    it returns unchanged (a DiLoCo anchor, a ledger between syncs) is neither donated nor returned
-    by it, if it belongs to a donated argument and comes back in one result only; the host puts
-    it into the results as it came. The arguments it does not read are not passed, and its small
-    results that read no argument (flags) are kept from the last call of the whole program. On a
-    mesh each array of a call costs its dispatch (per device), so a local step moves about as
-    many arrays as a plain optax step. Not where an argument is split over a mesh axis beyond the
-    replicas' (the harness then places results like arguments), nor for a call with one array at
-    two argument positions: there the local program takes and returns everything.
-    A synchronization's program takes and returns every argument, as the general program does.
+    The local program, and each synchronization's, runs as a function of what it reads and
+    writes (``_pruning``): an argument it returns unchanged (a DiLoCo anchor, a ledger between
+    syncs) is neither donated nor returned by it, if it belongs to a donated argument and comes
+    back in one result only; the host puts it into the results as it came. The arguments it does
+    not read (local SGD's copy of the agreed parameters, at a synchronization that writes it) are
+    not passed, and its small results that read no argument (flags, the synchronization's index)
+    are kept from the last call of the whole program. On a mesh each array of a call costs its
+    dispatch (per device), so a local step moves about as many arrays as a plain optax step. Not
+    where an argument is split over a mesh axis beyond the replicas' (the harness then places
+    results like arguments), nor for a call with one array at two argument positions: there the
+    program takes and returns everything, as the general program does.
     ``local_calls`` and ``sync_calls`` count the calls that ran the local program and a
     synchronization's; everything else (``lower``, ``trace``, ``agreement``...) is the general
     program's.
@@ -278,7 +281,8 @@ class SplitLocalSteps:
         # (program's key: None for the general one, LOCAL, or a synchronization's branches,
         # signature) → plan
         self._plans: dict[tuple[Any, tuple], _Plan | None] = {}
-        self._pruned: dict[tuple, _Pruned | None] = {}
+        # (LOCAL or a synchronization's branches, signature) → pruned program
+        self._pruned: dict[tuple[Any, tuple], _Pruned | None] = {}
         self._build, self._step, self._leading = build, step, leading
         self._donate = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
         self._general = build(self._recording(step, None))
@@ -365,6 +369,11 @@ class SplitLocalSteps:
             program = self._syncs[key] = self._build(self._recording(self._step, key))
         return program
 
+    def _whole(self, key: str | tuple[int, ...]) -> Callable[..., Any]:
+        """The program of fixed branches ``key`` (LOCAL or a synchronization's), taking and
+        returning every argument."""
+        return self._local if key == LOCAL else self._syncs[key]
+
     def _traces_alike(self, entry: _Entry, key: Any, program: Callable, args: tuple) -> bool:
         """The program of ``key`` finds and returns the counters where the general one does
         (traced once per signature, before its first call)."""
@@ -376,31 +385,34 @@ class SplitLocalSteps:
             alike = entry.alike[key] = other is not None and other[:2] == plan[:2]  # control_in, _out
         return alike
 
-    def _pruning(self, signature: tuple, args: tuple, leaves: list, treedef: Any) -> _Pruned | None:
-        """The local program of this signature as a function of the argument leaves it reads,
-        returning the results that are not arguments returned unchanged (built once per
-        signature; None where the full local program runs)."""
-        if signature in self._pruned:
-            return self._pruned[signature]
-        self._pruned[signature] = None
+    def _pruning(
+        self, key: str | tuple[int, ...], signature: tuple, args: tuple, leaves: list, treedef: Any
+    ) -> _Pruned | None:
+        """The program of ``key`` (LOCAL or a synchronization's branches) for this signature as a
+        function of the argument leaves it reads, returning the results that are not arguments
+        returned unchanged (built once per program and signature; None where the whole program
+        runs)."""
+        if (key, signature) in self._pruned:
+            return self._pruned[(key, signature)]
+        self._pruned[(key, signature)] = None
         if any(_split_over_other_axes(x) for x in leaves):
             return None
         owner = [a for a, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
         # an argument comes back as it came only from a donated argument (the caller gave it up:
         # no other reference of theirs sees it again) and in one result only (two results never
         # share a buffer); any other result is the program's own, a new buffer
-        forwarded = self._plans[(LOCAL, signature)].forwarded
+        forwarded = self._plans[(key, signature)].forwarded
         times = collections.Counter(forwarded)
         forwarded = tuple(
             f if f is not None and owner[f] in self._donate and times[f] == 1 else None for f in forwarded
         )
-        traced = self._local.trace(*args)
+        traced = self._whole(key).trace(*args)
         used = _reads(traced, [f is None for f in forwarded])
         if used is None or len(used) != len(leaves):
             return None
         # small results that read no argument (flags, a "last sync" of 0): kept on the host, where
         # the caller donates (and so gives up the results it passes back)
-        counters = set(self._plans[(LOCAL, signature)].returned)
+        counters = set(self._plans[(key, signature)].returned)
         sizes = [math.prod(np.shape(x)[self._leading :]) for x in jax.tree.leaves(traced.out_info)]
         scalars = [j for j, f in enumerate(forwarded) if f is None and j not in counters and sizes[j] <= 1]
         constant = tuple(sorted(_constant_results(traced, scalars, len(forwarded)))) if self._donate else ()
@@ -421,7 +433,7 @@ class SplitLocalSteps:
                 full[i] = x
             for i, (shape, dtype) in placeholders.items():
                 full[i] = jnp.zeros(shape, dtype)
-            with local_program.tracing(branches=_branches(LOCAL)):
+            with local_program.tracing(branches=_branches(key)):
                 out = jax.tree.leaves(step(*jax.tree.unflatten(treedef, full)))
             # the arguments it returns unchanged are the full trace's (a placeholder may come back
             # marked as varying over the replicas: a new tracer of the same value)
@@ -432,12 +444,12 @@ class SplitLocalSteps:
             return tuple(x for j, (x, f) in enumerate(zip(out, forwarded)) if f is None and j not in constant)
 
         program = self._build(pruned, donate_argnums=(0,) if donated else ())
-        out_treedef = self._plans[(LOCAL, signature)].out_treedef
+        out_treedef = self._plans[(key, signature)].out_treedef
         computed = [j for j, f in enumerate(forwarded) if f is None and j not in constant]
         origin = {j: k for k, j in enumerate(computed)}
         origin |= {j: len(computed) + f for j, f in enumerate(forwarded) if f is not None}
         origin |= {j: len(computed) + len(leaves) + k for k, j in enumerate(constant)}
-        self._pruned[signature] = _Pruned(
+        self._pruned[(key, signature)] = _Pruned(
             program,
             donated,
             kept,
@@ -448,13 +460,16 @@ class SplitLocalSteps:
             _picker(kept),
             _picker([origin[j] for j in range(len(forwarded))]),
         )
-        return self._pruned[signature]
+        return self._pruned[(key, signature)]
 
-    def _run_local(self, entry: _Entry, args: tuple, leaves: list, treedef: Any) -> tuple[Any, list]:
-        """The local program's results, and their leaves."""
-        if entry.pruned is False:
-            entry.pruned = self._pruning(entry.signature, args, leaves, treedef)
-        pruned = entry.pruned
+    def _run_fixed(
+        self, entry: _Entry, key: str | tuple[int, ...], args: tuple, leaves: list, treedef: Any
+    ) -> tuple[Any, list]:
+        """The results of the program of ``key`` (the local program, or a synchronization's), and
+        their leaves."""
+        pruned = entry.pruned.get(key, False)
+        if pruned is False:
+            pruned = entry.pruned[key] = self._pruning(key, entry.signature, args, leaves, treedef)
         # an array at two argument positions: the whole program, which donates as jax.jit does
         if not (
             pruned is not None
@@ -464,7 +479,7 @@ class SplitLocalSteps:
             pruned = None
         # the kept results come from the whole program: once, and again after a step took them
         # (deleted, or about to be: passed back where the program reads and donates)
-        constants = entry.constants
+        constants = entry.constants.get(key, ())
         donated = () if pruned is None else pruned.take_donated(leaves)
         if (
             pruned is not None
@@ -475,25 +490,25 @@ class SplitLocalSteps:
             try:
                 results = pruned.program(donated, pruned.take_kept(leaves))
             except _NotAsTraced:  # at its first call, before any buffer is donated
-                self._pruned[entry.signature] = entry.pruned = pruned = None
+                self._pruned[(key, entry.signature)] = entry.pruned[key] = pruned = None
             else:
                 out = pruned.assemble((*results, *leaves, *constants))
                 return jax.tree.unflatten(pruned.out_treedef, out), out
-        out = self._local(*args)
+        out = self._whole(key)(*args)
         results = jax.tree.leaves(out)
         if pruned is not None:
-            entry.constants = tuple(results[j] for j in pruned.constant)
+            entry.constants[key] = tuple(results[j] for j in pruned.constant)
         return out, results
 
-    def _choose(self, entry: _Entry, branches: tuple[int, ...], args: tuple) -> Callable[..., Any]:
-        """The program of the updates' branches: the local program, a synchronization's, else
-        the general program."""
+    def _choose(self, entry: _Entry, branches: tuple[int, ...], args: tuple) -> str | tuple[int, ...] | None:
+        """The key of the program of the updates' branches: LOCAL, a synchronization's, else None
+        (the general program)."""
         if -1 in branches:
-            return self._general
+            return None
         key, program = (LOCAL, self._local) if not any(branches) else (branches, self._program(branches))
         if program is None or not self._traces_alike(entry, key, program, args):
-            return self._general
-        return program
+            return None
+        return key
 
     def __call__(self, *args: Any) -> Any:
         leaves, treedef = jax.tree.flatten(args)
@@ -502,14 +517,14 @@ class SplitLocalSteps:
             return self._general(*args)
         plan = entry.plan
         steps = [self._step_at(plan, i, c) for i, c in enumerate(self._controls(entry, leaves))]
-        program = self._choose(entry, tuple(branch for branch, _ in steps), args)
-        if program is self._local:
-            out, results = self._run_local(entry, args, leaves, treedef)
-            self.local_calls += 1
-        else:
-            out = program(*args)
+        key = self._choose(entry, tuple(branch for branch, _ in steps), args)
+        if key is None:
+            out = self._general(*args)
             results = jax.tree.leaves(out)
-            self.sync_calls += program is not self._general
+        else:
+            out, results = self._run_fixed(entry, key, args, leaves, treedef)
+            self.local_calls += key == LOCAL
+            self.sync_calls += key != LOCAL
         after = [control for _, control in steps]
         if None not in after:  # else the next call reads what this one returned
             arrays = [results[p] for p in plan.returned]
@@ -532,7 +547,7 @@ class SplitLocalSteps:
             entry = self._entry(treedef, leaves)
         pruned = None
         if entry is not None and self._traces_alike(entry, LOCAL, self._local, args):
-            pruned = self._pruning(entry.signature, args, leaves, treedef)
+            pruned = self._pruning(LOCAL, entry.signature, args, leaves, treedef)
         if pruned is None:
             return self._local.lower(*args)
         return pruned.program.lower(pruned.take_donated(leaves), pruned.take_kept(leaves))
