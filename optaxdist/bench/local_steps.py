@@ -21,7 +21,10 @@ device per replica) and one number of replicas, the row reports:
 * **sync step**: the same jitted step with the counter at a sync position, against plain + the
   same collective written by hand (``lax.pmean`` of the new parameters; for Streaming DiLoCo of
   the syncing fragment; for DASO's blocking sync a ``bfloat16`` ``psum`` over the nodes and a
-  broadcast within the node) — target ratio ≤ 1.1.
+  broadcast within the node) — target ratio ≤ 1.1. Where the sync step does more than that
+  collective (DiLoCo, SlowMo and Streaming DiLoCo take an outer optimizer step on their anchors),
+  also against the **hand-written algorithm** (``OuterByHand``: plain + ``pmean`` + the same
+  outer step, no schedule, ledger or guard): what the engine adds to the algorithm's own work.
 * **compile**: seconds of ``.lower(...).compile()`` of the transform's step.
 * **state bytes per parameter byte**: the optimizer state's array bytes per replica over the
   parameter bytes per replica (counters and ledgers included; ``fixed_state_bytes`` are the
@@ -211,6 +214,44 @@ def _daso_blocking_sync(params: Params) -> Params:
 
 
 @dataclasses.dataclass(frozen=True)
+class OuterByHand:
+    """DiLoCo's family written by hand, as a user would without the library: the plain step,
+    then on the syncing fragment's leaves (Streaming DiLoCo: fragment 0 of ``fragments``; the
+    others: every leaf) the mean of the new parameters (``lax.pmean``), the outer optimizer's step
+    on ``Δ = x₀ − mean``, ``x₀ ← x₀ + step`` and the parameters set to ``x₀``. Its state is
+    ``(inner state, anchors x₀, outer states)``, the anchors and outer states per fragment. No
+    schedule, no ledger, no guard: it is the sync step's own work, the reference for what the
+    engine adds to it."""
+
+    outer: Callable[[], optax.GradientTransformation]
+    fragments: int = 1
+
+    def parts(self, params: Params) -> list[list[int]]:
+        if self.fragments == 1:
+            return [list(range(len(jax.tree.leaves(params))))]
+        return [list(part) for part in optaxdist.balanced_fragments(params, self.fragments)]
+
+    def init(self, params: Params) -> tuple:
+        leaves = jax.tree.leaves(params)
+        anchors = tuple([leaves[i] for i in part] for part in self.parts(params))
+        return inner().init(params), anchors, tuple(self.outer().init(a) for a in anchors)
+
+    def step(self, params: Params, state: tuple, grads: Params) -> tuple[Params, tuple]:
+        inner_state, anchors, outer_states = state
+        updates, inner_state = inner().update(grads, inner_state, params)
+        leaves, treedef = jax.tree.flatten(optax.apply_updates(params, updates))
+        part = self.parts(params)[0]
+        mean = jax.lax.pmean([leaves[i] for i in part], optaxdist.REPLICA_AXIS)
+        delta = [a - m for a, m in zip(anchors[0], mean, strict=True)]
+        step, outer_state = self.outer().update(delta, outer_states[0], anchors[0])
+        synced = optax.apply_updates(anchors[0], step)
+        for i, x in zip(part, synced, strict=True):
+            leaves[i] = x
+        state = (inner_state, (synced, *anchors[1:]), (outer_state, *outer_states[1:]))
+        return jax.tree.unflatten(treedef, leaves), state
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     """One transform: how to build it, the state fields that put its schedule on a local and on a
     sync step, and the collective its sync (and, for gossip, its local step) performs."""
@@ -222,6 +263,8 @@ class Case:
     hand_sync: Callable[[Params], Params]
     hand_local: Callable[[Params], Params] | None = None
     hand_sync_grads: Callable[[Params], Params] | None = None  # on the gradients, before the step
+    # the sync step's whole algorithm by hand, where it does more than plain + hand_sync
+    hand_algorithm: OuterByHand | None = None
     hierarchical: bool = False
     settings: str = ""
     options: tuple[str, ...] = ("check_start", "nonfinite", "exact_sync")  # the VARIANTS options it takes
@@ -287,6 +330,7 @@ def cases() -> dict[str, Case]:
             {"step": LOCAL_T},
             {"step": SYNC_T},
             _pmean,
+            hand_algorithm=OuterByHand(optaxdist.diloco_outer_optimizer),
             settings=f"period={PERIOD}, outer Nesterov 0.7/0.9",
         ),
         Case(
@@ -295,6 +339,7 @@ def cases() -> dict[str, Case]:
             {"step": LOCAL_T},
             {"step": SYNC_T},
             _pmean,
+            hand_algorithm=OuterByHand(lambda: optaxdist.slowmo_outer_optimizer(LR)),
             settings=f"period={PERIOD}",
         ),
         Case(
@@ -305,6 +350,7 @@ def cases() -> dict[str, Case]:
             {"step": LOCAL_T},
             {"step": SYNC_T},
             _pmean_fragment,
+            hand_algorithm=OuterByHand(optaxdist.diloco_outer_optimizer, FRAGMENTS),
             settings=f"period={PERIOD}, {FRAGMENTS} fragments (sync: fragment 0)",
         ),
         _gossip_case("decentralized_sgd", optaxdist.decentralized_sgd),
@@ -451,6 +497,8 @@ def _timings(samples: Mapping[str, list[float]]) -> dict[str, float]:
         "sync_ms": ms["sync"],
         "hand_sync_ms": ms["hand_sync"],
         "sync_ratio": ms["sync"] / ms["hand_sync"],
+        "hand_algorithm_ms": ms.get("hand_algorithm", ms["hand_sync"]),
+        "sync_algorithm_ratio": ms["sync"] / ms.get("hand_algorithm", ms["hand_sync"]),
     }
 
 
@@ -499,6 +547,13 @@ def measure_case(
         "sync": (ours, (params, sync_state, grads)),
         **{k: (f, (params, plain_state, grads)) for k, f in hands.items()},
     }
+    if case.hand_algorithm is not None:
+        by_hand = harness.wrap(case.hand_algorithm.step, donate=donate)
+        algorithm_state = harness.place(harness.wrap(case.hand_algorithm.init)(inputs.params))
+        _check_hand_algorithm(
+            case, ours(*_copies(params, sync_state, grads)), by_hand, params, algorithm_state, grads
+        )
+        calls["hand_algorithm"] = (by_hand, (params, algorithm_state, grads))
     if donate:
         at = {"local": case.local_at, "sync": case.sync_at}
         samples = _time_donated(
@@ -646,6 +701,19 @@ def _check_schedule(case: Case, step: Step, params, local_state, sync_state, gra
         raise AssertionError(f"{case.name}: the 'sync' step at {dict(case.sync_at)} sent nothing")
 
 
+def _check_hand_algorithm(case: Case, synced: tuple, by_hand: Step, params, state, grads) -> None:
+    """The hand-written algorithm's sync step gives the parameters ours gives from the same start
+    (anchors at the parameters, zero momenta), up to rounding: it is a reference for the same
+    work."""
+    ours, _ = synced
+    theirs, _ = by_hand(*_copies(params, state, grads))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        if not jnp.allclose(a, b, rtol=1e-5, atol=1e-6):
+            raise AssertionError(
+                f"{case.name}: the hand-written algorithm's sync step computes other parameters"
+            )
+
+
 def measure_state_bytes(n_params: int, replicas: int = 8) -> list[dict[str, Any]]:
     """State bytes per parameter byte of every transform (shapes only: nothing is computed)."""
     inputs = make_inputs(n_params, replicas)
@@ -785,9 +853,9 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
         ]
     out += [
         "| transform | harness | replicas | parameters | local ms | plain ms | local / plain | "
-        "hand local ms | local / hand | sync ms | hand sync ms | sync / hand | compile s | "
-        "state B / param B | step MB / plain MB | peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "hand local ms | local / hand | sync ms | hand sync ms | sync / hand | hand algorithm ms | "
+        "sync / hand algorithm | compile s | state B / param B | step MB / plain MB | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in section["results"]:
         shape = "×".join(map(str, r["shape"]))
@@ -796,7 +864,8 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
             f"| {name} | {r['harness']} | {shape} | {r['parameters']:,} | "
             f"{r['local_ms']:.3f} | {r['plain_ms']:.3f} | {r['local_ratio']:.2f} | "
             f"{r['hand_local_ms']:.3f} | {r['local_hand_ratio']:.2f} | {r['sync_ms']:.3f} | "
-            f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {_compile(r)} | "
+            f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {r['hand_algorithm_ms']:.3f} | "
+            f"{r['sync_algorithm_ratio']:.2f} | {_compile(r)} | "
             f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('step_bytes'))}{_local_mb(r)} / "
             f"{_mb(r.get('plain_step_bytes'))} | {_mb(r.get('peak_bytes_in_use'))} |"
         )
