@@ -250,10 +250,11 @@ def test_runs_of_two_sizes_keep_their_own_results():
     assert len(pruned.donated) + len(pruned.kept) < len(jax.tree.leaves((*runs[N], one[1][0])))
 
 
-def test_a_kept_result_passed_back_to_be_donated_is_computed_again():
+def test_a_kept_result_passed_back_to_be_donated_is_copied():
     """A result that reads no argument (an inner state's scalar reset to a constant) is kept on
-    the host; when the next call passes it back where the local program reads and donates it,
-    that call computes it again: no result is an array the call deleted."""
+    the host, and every state a call returns holds that one array. Where a call passes it back to
+    a program that reads and donates it, the program gets a copy: with two runs taking turns on
+    one step, no state ever holds a deleted array, and the numbers are those without the split."""
 
     class Flag(NamedTuple):
         flag: jax.Array
@@ -262,18 +263,26 @@ def test_a_kept_result_passed_back_to_be_donated_is_computed_again():
         return jax.tree.map(lambda g: -0.125 * g * (1 + s.flag), u), Flag(jnp.zeros((), jnp.float32))
 
     inner = optax.GradientTransformation(lambda p: Flag(jnp.ones((), jnp.float32)), update)
-    tx = od.local_sgd(inner, comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+    tx = od.local_sgd(inner, comm=od.AxisComm(REPLICA), period=3, nonfinite="ignore")
 
     def step(params, state, grads):
         params, state = _step(tx)(params, state, grads)
         return params, state, jnp.sum(grads["b"])
 
-    split = od.simulate(step, donate_argnums=(0, 1), split_local_steps=True)
-    params, state = _params(), od.simulate(tx.init)(_params())
-    for g in _grads(8):
-        params, state, metric = split(params, state, g)
-        assert not any(x.is_deleted() for x in jax.tree.leaves((params, state, metric)))
-    assert split.local_calls >= 4
+    grads = _grads(9)
+    results = []
+    for split_local_steps in (False, True):
+        split = od.simulate(step, donate_argnums=(0, 1), split_local_steps=split_local_steps)
+        runs = [(_params(), od.simulate(tx.init)(_params())) for _ in range(2)]
+        for g in grads:
+            for r in range(2):
+                params, state, metric = split(*runs[r], g)
+                runs[r] = (params, state)
+                for x in jax.tree.leaves((runs, metric)):
+                    assert not x.is_deleted()
+        results.append(runs)
+    _assert_same_bits(*results)
+    assert split.local_calls >= 8 and split.sync_calls >= 4
 
 
 def test_a_jitted_helper_is_exact_in_both_programs():

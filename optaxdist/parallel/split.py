@@ -293,6 +293,9 @@ class SplitLocalSteps:
         # the control values calls returned and no call took yet: id of the first → (plan, their
         # arrays, their values)
         self._counted: dict[int, tuple[_Plan, list, list[Control]]] = {}  # in order of insertion
+        # every result kept on the host and not deleted (id → array), whatever its signature or
+        # program: every state a call returned it to holds it
+        self._kept: dict[int, jax.Array] = {}
         self.local_calls = self.sync_calls = 0
 
     def _recording(self, step: Callable[..., Any], key: str | tuple[int, ...] | None) -> Callable[..., Any]:
@@ -477,16 +480,16 @@ class SplitLocalSteps:
             and len(set(map(id, leaves))) == len(leaves)
         ):
             pruned = None
-        # the kept results come from the whole program: once, and again after a step took them
-        # (deleted, or about to be: passed back where the program reads and donates)
+        # the kept results come from the whole program: once, and again if they were deleted
         constants = entry.constants.get(key, ())
-        donated = () if pruned is None else pruned.take_donated(leaves)
         if (
             pruned is not None
             and len(constants) == len(pruned.constant)
             and not any(x.is_deleted() for x in constants)
-            and not (constants and set(map(id, donated)) & set(map(id, constants)))
         ):
+            donated = pruned.take_donated(leaves)
+            if not self._kept.keys().isdisjoint(map(id, donated)):  # read and donated: a copy
+                donated = tuple(x.copy() if id(x) in self._kept else x for x in donated)
             try:
                 results = pruned.program(donated, pruned.take_kept(leaves))
             except _NotAsTraced:  # at its first call, before any buffer is donated
@@ -494,11 +497,25 @@ class SplitLocalSteps:
             else:
                 out = pruned.assemble((*results, *leaves, *constants))
                 return jax.tree.unflatten(pruned.out_treedef, out), out
-        out = self._whole(key)(*args)
+        out = self._whole(key)(*self._unshared(args, leaves, treedef))
         results = jax.tree.leaves(out)
         if pruned is not None:
             entry.constants[key] = tuple(results[j] for j in pruned.constant)
+            self._kept = {i: x for i, x in self._kept.items() if not x.is_deleted()}
+            self._kept.update((id(x), x) for x in entry.constants[key])
         return out, results
+
+    def _unshared(self, args: tuple, leaves: list, treedef: Any) -> tuple:
+        """The arguments with a copy of each kept result at a donated position, for a program that
+        takes every argument: it may consume the copy, never the array other states hold (two
+        runs taking turns, a state and the one before it)."""
+        if not self._kept or self._kept.keys().isdisjoint(map(id, leaves)):
+            return args
+        owner = [a for a, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+        leaves = [
+            x.copy() if id(x) in self._kept and owner[i] in self._donate else x for i, x in enumerate(leaves)
+        ]
+        return jax.tree.unflatten(treedef, leaves)
 
     def _choose(self, entry: _Entry, branches: tuple[int, ...], args: tuple) -> str | tuple[int, ...] | None:
         """The key of the program of the updates' branches: LOCAL, a synchronization's, else None
@@ -514,12 +531,12 @@ class SplitLocalSteps:
         leaves, treedef = jax.tree.flatten(args)
         entry = self._entry(treedef, leaves)
         if entry is None:
-            return self._general(*args)
+            return self._general(*self._unshared(args, leaves, treedef))
         plan = entry.plan
         steps = [self._step_at(plan, i, c) for i, c in enumerate(self._controls(entry, leaves))]
         key = self._choose(entry, tuple(branch for branch, _ in steps), args)
         if key is None:
-            out = self._general(*args)
+            out = self._general(*self._unshared(args, leaves, treedef))
             results = jax.tree.leaves(out)
         else:
             out, results = self._run_fixed(entry, key, args, leaves, treedef)
