@@ -37,7 +37,7 @@ def main(harness_name: str, kind: str, repeats: int = 300) -> None:
         params, state = jax.block_until_ready(step(params, state, grads))
     key = LOCAL if kind == "local" else next(iter(step._syncs))
     entry = step._recent[1]
-    pruned = entry.pruned[key]
+    pruned = entry.pruned.get(key)
     if pruned is None:
         raise SystemExit(f"the {kind} program takes every argument here: nothing to compare")
     direct = bench._copies(params, state)
