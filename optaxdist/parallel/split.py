@@ -261,7 +261,9 @@ class SplitLocalSteps:
     back in one result only; the host puts it into the results as it came. The arguments it does
     not read (local SGD's copy of the agreed parameters, at a synchronization that writes it) are
     not passed, and its small results that read no argument (flags, the synchronization's index)
-    are kept from the last call of the whole program. On a mesh each array of a call costs its
+    are kept from the last call of the whole program (with donation): every state a call returns
+    holds those very arrays, so a program that reads and donates one gets a copy of it
+    (``_kept``). On a mesh each array of a call costs its
     dispatch (per device), so a local step moves about as many arrays as a plain optax step. Not
     where an argument is split over a mesh axis beyond the replicas' (the harness then places
     results like arguments), nor for a call with one array at two argument positions: there the
