@@ -217,26 +217,23 @@ def _check_replica_placement(args: tuple, mesh: Mesh, names: tuple[str, ...]) ->
     axes puts one of them anywhere but alone on the leading (stacked) dimension. Each call reads
     the arguments' distinct shardings (one, or a few, for a training step's arrays)."""
 
-    def bad(leaf) -> str | None:
-        sharding = getattr(leaf, "sharding", None)
-        if not isinstance(sharding, NamedSharding):
-            return None
-        return _misplaced_sharding(sharding, names)
+    def why(sharding: Any) -> str | None:
+        return _misplaced_sharding(sharding, names) if isinstance(sharding, NamedSharding) else None
 
     leaves = jax.tree.leaves(args)
     try:
         shardings = set(map(_SHARDING, leaves))
     except AttributeError:  # NumPy arrays, Python scalars, tracers
         shardings = {getattr(leaf, "sharding", None) for leaf in leaves}
-    if not any(isinstance(s, NamedSharding) and _misplaced_sharding(s, names) for s in shardings):
+    if not any(map(why, shardings)):
         return
     for path, leaf in jax.tree_util.tree_leaves_with_path(args):
-        why = bad(leaf)
-        if why:
+        reason = why(getattr(leaf, "sharding", None))
+        if reason:
             raise ValueError(
                 f"on_mesh argument {jax.tree_util.keystr(path[:1])[1:-1]}, leaf "
                 f"{jax.tree_util.keystr(path[1:]) or '(the argument)'}: its sharding "
-                f"{leaf.sharding.spec} {why}. on_mesh stacks replicas on the leading dimension, "
+                f"{leaf.sharding.spec} {reason}. on_mesh stacks replicas on the leading dimension, "
                 f"split over the replica axes {list(names)} of the mesh {dict(mesh.shape)}; the "
                 f"other dimensions may be split over the remaining axes only, e.g. "
                 f"P({names[0] if len(names) == 1 else names!r}, None, 'model')"

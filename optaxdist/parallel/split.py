@@ -29,6 +29,7 @@ LOCAL = "local"  # the local program's key (a synchronization's: the branch of e
 
 Control = tuple[int, ...]  # an update's control values on the host (``Schedule.control_in``)
 Step = tuple[int, Control | None]  # its branch there, and the control it returns (None: unknown)
+Key = str | tuple[int, ...]  # a program of fixed branches: LOCAL, or a synchronization's branches
 
 
 class _Plan(NamedTuple):
@@ -209,9 +210,14 @@ class _Entry:
 
     def __init__(self, signature: tuple, plan: _Plan, *, arrays: bool):
         self.signature, self.plan, self.arrays = signature, plan, arrays  # arrays: every leaf a jax.Array
-        self.alike: dict[str | tuple[int, ...], bool] = {}  # program's key → traces alike
-        self.pruned: dict[str | tuple[int, ...], _Pruned | None] = {}  # absent: not looked up yet
-        self.constants: dict[str | tuple[int, ...], tuple[jax.Array, ...]] = {}
+        self.alike: dict[Key, bool] = {}  # program's key → traces alike
+        self.pruned: dict[Key, _Pruned | None] = {}  # absent: not looked up yet
+        self.constants: dict[Key, tuple[jax.Array, ...]] = {}
+
+
+def _owners(args: tuple) -> list[int]:
+    """The argument each of the arguments' flattened leaves belongs to (its position)."""
+    return [a for a, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence], tuple]:
@@ -222,7 +228,7 @@ def _picker(positions: Sequence[int]) -> Callable[[Sequence], tuple]:
     return operator.itemgetter(*positions) if positions else lambda items: ()
 
 
-def _branches(key: str | tuple[int, ...] | None) -> Callable[[int], int | None] | None:
+def _branches(key: Key | None) -> Callable[[int], int | None] | None:
     """``local_program.tracing``'s ``branches`` for the program of ``key``."""
     if key == LOCAL:
         return lambda position: 0
@@ -245,7 +251,7 @@ class SplitLocalSteps:
     ``build`` makes the harness's compiled step of a per-replica step; ``leading`` is the number
     of stacked axes the harness's arguments have in front of one replica's (1, or 0 under MPI).
     The control values are kept on the host. They are read from the arguments (one blocking read
-    of a scalar per value) on the first call after the step's first trace, whenever a call's are
+    for all of them) on the first call after the step's first trace, whenever a call's are
     not arrays a call returned and no call took since (up to ``CHAINS`` such states), and after a
     call whose control depends on the data (DASO's cycle at an epoch's end); otherwise they are
     counted (so that runs taking turns with one step, such as training and evaluation, read
@@ -263,11 +269,11 @@ class SplitLocalSteps:
     not passed, and its small results that read no argument (flags, the synchronization's index)
     are kept from the last call of the whole program (with donation): every state a call returns
     holds those very arrays, so a program that reads and donates one gets a copy of it
-    (``_kept``). On a mesh each array of a call costs its
-    dispatch (per device), so a local step moves about as many arrays as a plain optax step. Not
-    where an argument is split over a mesh axis beyond the replicas' (the harness then places
-    results like arguments), nor for a call with one array at two argument positions: there the
-    program takes and returns everything, as the general program does.
+    (``_kept``). On a mesh each array of a call costs its dispatch (per device), so a local step
+    moves about as many arrays as a plain optax step. Not where an argument is split over a mesh
+    axis beyond the replicas' (the harness then places results like arguments), nor for a call
+    with one array at two argument positions: there the program takes and returns everything, as
+    the general program does.
     ``local_calls`` and ``sync_calls`` count the calls that ran the local program and a
     synchronization's; everything else (``lower``, ``trace``, ``agreement``...) is the general
     program's.
@@ -300,7 +306,7 @@ class SplitLocalSteps:
         self._kept: dict[int, jax.Array] = {}
         self.local_calls = self.sync_calls = 0
 
-    def _recording(self, step: Callable[..., Any], key: str | tuple[int, ...] | None) -> Callable[..., Any]:
+    def _recording(self, step: Callable[..., Any], key: Key | None) -> Callable[..., Any]:
         """``step`` traced as the program of ``key`` (None: the general program), its plan noted."""
         branches = _branches(key)
 
@@ -374,7 +380,7 @@ class SplitLocalSteps:
             program = self._syncs[key] = self._build(self._recording(self._step, key))
         return program
 
-    def _whole(self, key: str | tuple[int, ...]) -> Callable[..., Any]:
+    def _whole(self, key: Key) -> Callable[..., Any]:
         """The program of fixed branches ``key`` (LOCAL or a synchronization's), taking and
         returning every argument."""
         return self._local if key == LOCAL else self._syncs[key]
@@ -390,9 +396,7 @@ class SplitLocalSteps:
             alike = entry.alike[key] = other is not None and other[:2] == plan[:2]  # control_in, _out
         return alike
 
-    def _pruning(
-        self, key: str | tuple[int, ...], signature: tuple, args: tuple, leaves: list, treedef: Any
-    ) -> _Pruned | None:
+    def _pruning(self, key: Key, signature: tuple, args: tuple, leaves: list, treedef: Any) -> _Pruned | None:
         """The program of ``key`` (LOCAL or a synchronization's branches) for this signature as a
         function of the argument leaves it reads, returning the results that are not arguments
         returned unchanged (built once per program and signature; None where the whole program
@@ -402,7 +406,7 @@ class SplitLocalSteps:
         self._pruned[(key, signature)] = None
         if any(_split_over_other_axes(x) for x in leaves):
             return None
-        owner = [a for a, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+        owner = _owners(args)
         # an argument comes back as it came only from a donated argument (the caller gave it up:
         # no other reference of theirs sees it again) and in one result only (two results never
         # share a buffer); any other result is the program's own, a new buffer
@@ -468,7 +472,7 @@ class SplitLocalSteps:
         return self._pruned[(key, signature)]
 
     def _run_fixed(
-        self, entry: _Entry, key: str | tuple[int, ...], args: tuple, leaves: list, treedef: Any
+        self, entry: _Entry, key: Key, args: tuple, leaves: list, treedef: Any
     ) -> tuple[Any, list]:
         """The results of the program of ``key`` (the local program, or a synchronization's), and
         their leaves."""
@@ -513,13 +517,13 @@ class SplitLocalSteps:
         runs taking turns, a state and the one before it)."""
         if not self._kept or self._kept.keys().isdisjoint(map(id, leaves)):
             return args
-        owner = [a for a, arg in enumerate(args) for _ in jax.tree.leaves(arg)]
+        owner = _owners(args)
         leaves = [
             x.copy() if id(x) in self._kept and owner[i] in self._donate else x for i, x in enumerate(leaves)
         ]
         return jax.tree.unflatten(treedef, leaves)
 
-    def _choose(self, entry: _Entry, branches: tuple[int, ...], args: tuple) -> str | tuple[int, ...] | None:
+    def _choose(self, entry: _Entry, branches: tuple[int, ...], args: tuple) -> Key | None:
         """The key of the program of the updates' branches: LOCAL, a synchronization's, else None
         (the general program)."""
         if -1 in branches:
