@@ -177,6 +177,12 @@ class BatchPlan(NamedTuple):
     local_sync_next: jax.Array
 
 
+def _rem(count: jax.Array, skip: jax.Array) -> jax.Array:
+    """``count % max(skip, 1)`` for a count and a skip that are never negative: one integer
+    remainder (``%`` on arrays is Python's modulo, which corrects the sign of a negative one)."""
+    return jax.lax.rem(count, jnp.maximum(skip, 1))
+
+
 def batch_plan(
     b: jax.Array,
     cycle: tuple[jax.Array, jax.Array, jax.Array],
@@ -193,17 +199,17 @@ def batch_plan(
     gs, ls, btw = cycle
     wait = jnp.where(btw + b <= last_batch, btw, last_batch - b)
     nb = b + 1
-    gmod = jnp.where(gs > 0, b % jnp.maximum(gs, 1), 0)
-    lmod = jnp.where(ls > 0, b % jnp.maximum(ls, 1), 0)
+    gmod = jnp.where(gs > 0, _rem(b, gs), 0)
+    lmod = jnp.where(ls > 0, _rem(b, ls), 0)
     last = b == last_batch
     sync = last | (gmod == 0)
-    before_sync = ~sync & (nb % jnp.maximum(gs, 1) == 0)
+    before_sync = ~sync & (_rem(nb, gs) == 0)
     waiting = ~sync & ~before_sync & (gmod < wait)
     receive_in_step = ~sync & ~before_sync & ~waiting & (gmod == wait)
     try_receive = receive_in_step | (sync & (btw != 0))
 
     rest = jnp.where(receive_in_step & (ls > 1), False, local_sync)
-    rest = jnp.where(lmod == 0, False, jnp.where(nb % jnp.maximum(ls, 1) == 0, True, rest))
+    rest = jnp.where(lmod == 0, False, jnp.where(_rem(nb, ls) == 0, True, rest))
     rest = jnp.where(nb == last_batch, True, rest)
     rest = jnp.where((ls == 1) & (nb != last_batch), True, rest)
     local_sync_next = jnp.where(
