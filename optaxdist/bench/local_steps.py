@@ -25,7 +25,9 @@ device per replica) and one number of replicas, the row reports:
   collective (DiLoCo, SlowMo and Streaming DiLoCo take an outer optimizer step on their anchors),
   also against the **hand-written algorithm** (``OuterByHand``: plain + ``pmean`` + the same
   outer step, no schedule, ledger or guard): what the engine adds to the algorithm's own work.
-* **compile**: seconds of ``.lower(...).compile()`` of the transform's step.
+* **compile**: seconds of ``.lower(...).compile()`` of the transform's step; with
+  ``--split-local-steps`` also of its local program, and the seconds of the first call that runs
+  a synchronization (it traces and compiles that synchronization's program).
 * **state bytes per parameter byte**: the optimizer state's array bytes per replica over the
   parameter bytes per replica (counters and ledgers included; ``fixed_state_bytes`` are the
   scalar and integer leaves, so ``(state − fixed) / params`` is an exact multiple of the
@@ -540,7 +542,7 @@ def measure_case(
         t0 = time.perf_counter()
         local_compiled = ours.lower_local(params, local_state, grads).compile()
         local_compile_s = time.perf_counter() - t0
-    _check_schedule(case, ours, params, local_state, sync_state, grads)
+    first_sync_s = _check_schedule(case, ours, params, local_state, sync_state, grads)
     calls = {
         "local": (ours, (params, local_state, grads)),
         "plain": (plain, (params, plain_state, grads)),
@@ -583,6 +585,7 @@ def measure_case(
         "compile_s": compile_s,
         "split": split,
         "local_compile_s": local_compile_s,
+        "first_sync_s": first_sync_s if split else None,
         "local_program_step_bytes": None if local_compiled is None else step_bytes(local_compiled),
         "state_bytes": total,
         "fixed_state_bytes": fixed,
@@ -683,9 +686,11 @@ def peak_bytes_in_use() -> int | None:
     return int(peak) if peak is not None else None
 
 
-def _check_schedule(case: Case, step: Step, params, local_state, sync_state, grads) -> None:
+def _check_schedule(case: Case, step: Step, params, local_state, sync_state, grads) -> float:
     """The two states are where they claim to be: the ledgers' event counts grow on the sync
-    step and not on the local step (gossip: the global-average kind only)."""
+    step and not on the local step (gossip: the global-average kind only). Returns the seconds of
+    the sync step's call: the first call to run a synchronization (with ``split_local_steps``,
+    the one that traces and compiles its program)."""
 
     def sync_events(state) -> int:
         by_kind = optaxdist.comm_stats(state).by_kind
@@ -695,8 +700,13 @@ def _check_schedule(case: Case, step: Step, params, local_state, sync_state, gra
     before = sync_events(local_state)
     if sync_events(step(*_copies(params, local_state, grads))[1]) != before:  # copies: donating steps
         raise AssertionError(f"{case.name}: the 'local' step at {dict(case.local_at)} communicated")
-    if sync_events(step(*_copies(params, sync_state, grads))[1]) == sync_events(sync_state):
+    args = _copies(params, sync_state, grads)
+    t0 = time.perf_counter()
+    synced = jax.block_until_ready(step(*args))
+    seconds = time.perf_counter() - t0
+    if sync_events(synced[1]) == sync_events(sync_state):
         raise AssertionError(f"{case.name}: the 'sync' step at {dict(case.sync_at)} sent nothing")
+    return seconds
 
 
 def _check_hand_algorithm(
@@ -831,8 +841,10 @@ def _distinct_variants(case: Case, variants: Sequence[str]) -> list[str]:
 
 
 def _compile(row: Mapping[str, Any]) -> str:
-    local = row.get("local_compile_s")
-    return f"{row['compile_s']:.2f}" + ("" if local is None else f" + {local:.2f}")
+    parts = [row["compile_s"], row.get("local_compile_s"), row.get("first_sync_s")]
+    while parts[-1] is None:  # rows without the split; gossip's, without a local program: "–"
+        parts.pop()
+    return " + ".join(_number(x, 2) for x in parts)
 
 
 def _number(x: float | None, digits: int) -> str:
@@ -855,8 +867,9 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
         out += [
             "the transforms' steps run under split_local_steps=True (--split-local-steps): each "
             "timed local or sync step follows an untimed call, as in a training loop (the host then "
-            "knows the counters); compile s: general program + local program; step MB: general "
-            "program (the local program a local call runs) / plain",
+            "knows the counters); compile s: general program + local program + first sync call (– "
+            "where a row has no local program); step MB: general program (the local program a local "
+            "call runs) / plain",
             "",
         ]
     out += [

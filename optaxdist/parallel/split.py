@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
@@ -57,8 +58,7 @@ class _Pruned:
     (``SplitLocalSteps._pruning``): the positions of the argument leaves it takes, split into
     those whose buffers it may reuse and the others; for each result the argument leaf it is
     (returned by the host, not by the program), else None; the results that read no argument
-    (the same every call: kept by the host, ``_Entry.constants``, from a call of the whole
-    program)."""
+    (the same every call: kept by the host, ``_Entry.constants``)."""
 
     program: Callable[..., Any]
     donated: tuple[int, ...]
@@ -190,6 +190,17 @@ def _constant_results(traced: Any, candidates: list[int], count: int) -> frozens
     return frozenset(found)
 
 
+def _constants_program(traced: Any, positions: Sequence[int], count: int) -> Callable[[], tuple]:
+    """A compiled program of no argument returning the results at ``positions`` (of ``count``)
+    of a traced program, which read none of its arguments (``_constant_results``): its jaxpr
+    without the rest, so that it compiles in a fraction of the whole program's time."""
+    from jax._src.interpreters import partial_eval as pe  # as in _reads
+
+    closed = traced.jaxpr
+    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [k in positions for k in range(count)])
+    return jax.jit(jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, closed.consts)))
+
+
 def _split_over_other_axes(x: Any) -> bool:
     """An array split over a mesh axis beyond its leading (replica) dimension: a model-sharded
     leaf, whose results the harness places like their arguments (``on_mesh``)."""
@@ -203,16 +214,17 @@ _AVAL = operator.attrgetter("aval")  # an array's abstract value (shape, dtype, 
 class _Entry:
     """What the calls of one signature (the arguments as given, stacked axes included) share: the
     general program's plan, and per program of fixed branches (its key) whether it traces alike,
-    its pruned program, and the results that one keeps on the host (``constants``, from the last
-    call of the whole program)."""
+    its pruned program, and the results that one keeps on the host (``constants``) with the
+    program of no argument that computes them (``_constants_program``)."""
 
-    __slots__ = ("signature", "plan", "arrays", "alike", "pruned", "constants")
+    __slots__ = ("signature", "plan", "arrays", "alike", "pruned", "constants", "constants_programs")
 
     def __init__(self, signature: tuple, plan: _Plan, *, arrays: bool):
         self.signature, self.plan, self.arrays = signature, plan, arrays  # arrays: every leaf a jax.Array
         self.alike: dict[Key, bool] = {}  # program's key → traces alike
         self.pruned: dict[Key, _Pruned | None] = {}  # absent: not looked up yet
         self.constants: dict[Key, tuple[jax.Array, ...]] = {}
+        self.constants_programs: dict[Key, Callable[[], tuple]] = {}
 
 
 def _owners(args: tuple) -> list[int]:
@@ -267,7 +279,8 @@ class SplitLocalSteps:
     back in one result only; the host puts it into the results as it came. The arguments it does
     not read (local SGD's copy of the agreed parameters, at a synchronization that writes it) are
     not passed, and its small results that read no argument (flags, the synchronization's index)
-    are kept from the last call of the whole program (with donation): every state a call returns
+    are computed once by a program of their own and kept (with donation; only that part of the
+    program is compiled twice): every state a call returns
     holds those very arrays, so a program that reads and donates one gets a copy of it
     (``_kept``). On a mesh each array of a call costs its dispatch (per device), so a local step
     moves about as many arrays as a plain optax step. Not where an argument is split over a mesh
@@ -486,30 +499,34 @@ class SplitLocalSteps:
             and len(set(map(id, leaves))) == len(leaves)
         ):
             pruned = None
-        # the kept results come from the whole program: once, and again if they were deleted
-        constants = entry.constants.get(key, ())
-        if (
-            pruned is not None
-            and len(constants) == len(pruned.constant)
-            and not any(x.is_deleted() for x in constants)
-        ):
+        if pruned is not None:
+            constants = entry.constants.get(key, ())
+            if len(constants) != len(pruned.constant) or any(x.is_deleted() for x in constants):
+                constants = entry.constants[key] = self._constants(entry, key, args)  # again if deleted
+                self._kept = {i: x for i, x in self._kept.items() if not x.is_deleted()}
+                self._kept.update((id(x), x) for x in constants)
             donated = pruned.take_donated(leaves)
             if not self._kept.keys().isdisjoint(map(id, donated)):  # read and donated: a copy
                 donated = tuple(x.copy() if id(x) in self._kept else x for x in donated)
             try:
                 results = pruned.program(donated, pruned.take_kept(leaves))
             except _NotAsTraced:  # at its first call, before any buffer is donated
-                self._pruned[(key, entry.signature)] = entry.pruned[key] = pruned = None
+                self._pruned[(key, entry.signature)] = entry.pruned[key] = None
             else:
                 out = pruned.assemble((*results, *leaves, *constants))
                 return jax.tree.unflatten(pruned.out_treedef, out), out
         out = self._whole(key)(*self._unshared(args, leaves, treedef))
-        results = jax.tree.leaves(out)
-        if pruned is not None:
-            entry.constants[key] = tuple(results[j] for j in pruned.constant)
-            self._kept = {i: x for i, x in self._kept.items() if not x.is_deleted()}
-            self._kept.update((id(x), x) for x in entry.constants[key])
-        return out, results
+        return out, jax.tree.leaves(out)
+
+    def _constants(self, entry: _Entry, key: Key, args: tuple) -> tuple[jax.Array, ...]:
+        """The results of the program of ``key`` that read no argument, for ``entry``'s shapes."""
+        program = entry.constants_programs.get(key)
+        if program is None:
+            pruned = entry.pruned[key]
+            traced = self._whole(key).trace(*args)
+            program = _constants_program(traced, pruned.constant, pruned.out_treedef.num_leaves)
+            entry.constants_programs[key] = program
+        return tuple(program())
 
     def _unshared(self, args: tuple, leaves: list, treedef: Any) -> tuple:
         """The arguments with a copy of each kept result at a donated position, for a program that
