@@ -500,16 +500,21 @@ def test_a_hand_written_algorithm_that_computes_otherwise_is_refused(name):
 
 def test_overhead_local_steps_split(tmp_path, capsys):
     """``--split-local-steps``: the local step timed on calls that ran the local program, whose
-    compile time is reported too, with the first synchronization's call; it needs ``--donate``."""
+    compile time is reported too, with the first synchronization's call; it needs ``--donate``.
+    ``--local-leaves`` spreads the parameters over that many arrays."""
     args = "--suite overhead --rows local-steps --transforms local_sgd --replica-counts 8 --local-params 1K"
-    args += " --repeats 2 --quiet --split-local-steps"
+    args += " --repeats 2 --quiet --split-local-steps --local-leaves 6"
     assert main(["bench", *args.split(), "--out", ""]) == 2
     assert "--split-local-steps needs --donate" in capsys.readouterr().err
+    assert main(["bench", *args.split(), "--donate", "--local-leaves", "0", "--out", ""]) == 2
+    assert "--local-leaves 0: at least 1" in capsys.readouterr().err
     assert main(["bench", *args.split(), "--donate", "--out", str(tmp_path)]) == 0
-    assert "compile s: general program + local program + first sync call" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "compile s: general program + local program + first sync call" in out
+    assert "| 1,014 in 6 |" in out
     (row,) = json.loads((tmp_path / "overhead_simulate.json").read_text())["local_steps"]["results"]
     assert row["split"] and row["local_compile_s"] > 0 and row["local_program_step_bytes"] > 0
-    assert row["first_sync_s"] > 0
+    assert row["first_sync_s"] > 0 and row["leaves"] == 6
     assert all(len(row["samples_s"][key]) == 2 for key in ("local", "plain", "sync"))
 
 

@@ -180,6 +180,13 @@ def _parser() -> argparse.ArgumentParser:
         "replicas, 10K above)",
     )
     o.add_argument(
+        "--local-leaves",
+        type=int,
+        default=4,
+        help="local-steps rows: the parameters' arrays per replica, square matrices of one size "
+        "(default 4; a model's layers make tens to hundreds)",
+    )
+    o.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -314,6 +321,9 @@ def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
     local_steps["variants"] = variants
     if args.local_params:
         local_steps["n_params"] = parse_size(args.local_params)
+    if args.local_leaves < 1:
+        raise ValueError(f"--local-leaves {args.local_leaves}: at least 1")
+    local_steps["leaves"] = args.local_leaves
     if args.donate:
         local_steps["donate"] = True
     if args.split_local_steps:

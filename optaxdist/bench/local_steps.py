@@ -464,8 +464,8 @@ class Inputs:
     param_bytes: int  # per replica
 
 
-def make_inputs(n_params: int, replicas: int, seed: int = 0) -> Inputs:
-    params = optaxdist.replicate(make_params(n_params), replicas)
+def make_inputs(n_params: int, replicas: int, seed: int = 0, leaves: int = 4) -> Inputs:
+    params = optaxdist.replicate(make_params(n_params, leaves), replicas)
     keys = jax.random.split(jax.random.key(seed), len(params))
     grads = {
         k: jax.random.normal(kk, v.shape, v.dtype) for (k, v), kk in zip(params.items(), keys, strict=True)
@@ -579,6 +579,7 @@ def measure_case(
         "axes": list(harness.axes),
         "shape": list(harness.shape),
         "parameters": inputs.parameters,
+        "leaves": len(inputs.params),
         "repeats": repeats,
         "donate": donate,
         **_timings(samples),
@@ -753,6 +754,7 @@ def run_local_steps(
     transforms: Sequence[str] = TRANSFORMS,
     variants: Sequence[str] = ("default",),
     n_params: int | None = None,
+    leaves: int = 4,
     repeats: int = 11,
     donate: bool = False,
     split: bool = False,
@@ -764,6 +766,7 @@ def run_local_steps(
     options (a variant equal to one already run for that transform is left out).
 
     ``split``: the transforms' steps run under ``split_local_steps=True`` (needs ``donate``).
+    ``leaves``: the parameters' arrays per replica (``n_params`` spread over them).
 
     Returns the ``local_steps`` part of the overhead record (``results``: timing rows,
     ``state_bytes``: the state table per parameter count, ``skipped``: rows that could not run).
@@ -779,7 +782,7 @@ def run_local_steps(
     rows, skipped, sizes = [], [], {}
     for replicas in replica_counts:
         size = n_params or default_params(replicas)
-        inputs = make_inputs(size, replicas)
+        inputs = make_inputs(size, replicas, leaves=leaves)
         sizes[inputs.parameters] = size
         for harness_name in harnesses:
             if harness_name == "mesh" and len(jax.devices()) < replicas:
@@ -823,6 +826,7 @@ def run_local_steps(
         "sync_step_counter": {"default": SYNC_T, "daso": PERIOD},
         "donate": donate,
         "split": split,
+        "leaves": leaves,
         "results": rows,
         "state_bytes": state_table,
         "skipped": skipped,
@@ -845,6 +849,12 @@ def _compile(row: Mapping[str, Any]) -> str:
     while parts[-1] is None:  # rows without the split; gossip's, without a local program: "–"
         parts.pop()
     return " + ".join(_number(x, 2) for x in parts)
+
+
+def _parameters(row: Mapping[str, Any]) -> str:
+    """Per replica; in how many arrays where that is not the default 4."""
+    leaves = row.get("leaves", 4)
+    return f"{row['parameters']:,}" + ("" if leaves == 4 else f" in {leaves}")
 
 
 def _number(x: float | None, digits: int) -> str:
@@ -882,7 +892,7 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
         shape = "×".join(map(str, r["shape"]))
         name = r["transform"] + ("" if r["variant"] == "default" else f" [{r['variant']}]")
         out.append(
-            f"| {name} | {r['harness']} | {shape} | {r['parameters']:,} | "
+            f"| {name} | {r['harness']} | {shape} | {_parameters(r)} | "
             f"{r['local_ms']:.3f} | {r['plain_ms']:.3f} | {r['local_ratio']:.2f} | "
             f"{r['hand_local_ms']:.3f} | {r['local_hand_ratio']:.2f} | {r['sync_ms']:.3f} | "
             f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {_number(r['hand_algorithm_ms'], 3)} | "

@@ -46,10 +46,10 @@ def parse_size(text: str) -> int:
     return n
 
 
-def make_params(n_params: int) -> dict[str, jax.Array]:
-    """Four square float32 matrices with about ``n_params`` elements in total (zeros)."""
-    side = max(1, round(math.sqrt(n_params / 4)))
-    return {f"w{i}": jnp.zeros((side, side), jnp.float32) for i in range(4)}
+def make_params(n_params: int, leaves: int = 4) -> dict[str, jax.Array]:
+    """``leaves`` square float32 matrices with about ``n_params`` elements in total (zeros)."""
+    side = max(1, round(math.sqrt(n_params / leaves)))
+    return {f"w{i}": jnp.zeros((side, side), jnp.float32) for i in range(leaves)}
 
 
 def _steps(lr: float) -> tuple[Callable, Callable, Any, Any]:
