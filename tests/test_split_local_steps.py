@@ -11,6 +11,7 @@ synchronization run by the local program would be off by far more).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -530,6 +531,62 @@ def test_daso_sends_bfloat16_parameters_as_the_general_program_rounds_them():
         runs.append((p, state))
     _assert_same_bits(*runs)
     assert run.sync_calls == 2
+
+
+def test_kept_results_are_placed_like_the_arguments():
+    """On another device than the default one, committed: the results the host keeps are
+    committed there too, as the whole program's are, so no call meets an argument placed
+    otherwise and the general program compiles once (DASO ends an epoch in it every 4 calls)."""
+    device = jax.devices()[1]
+    h = od.axis_hierarchy(2, 2)
+    tx = od.daso(
+        _momentum(),
+        local_comm=h.local,
+        cross_comm=h.cross,
+        steps_per_epoch=4,
+        total_epochs=3,
+        warmup_epochs=1,
+        cooldown_epochs=0,
+        nonfinite="ignore",
+    )
+
+    def step(params, state, grads, loss):
+        updates, state = tx.update(grads, state, params, value=loss)
+        return od.apply_updates(params, updates, state), state
+
+    wrap = functools.partial(od.simulate, axis_name=("node", "local"), shape=(2, 2))
+    split = wrap(step, donate_argnums=(0, 1), split_local_steps=True)
+    grads, loss = jax.device_put(_grads(12), device), jax.device_put(jnp.ones(N), device)
+    runs = []
+    for run in (wrap(step), split):
+        params = jax.device_put(_params(), device)
+        state = jax.device_put(wrap(tx.init)(params), device)
+        for g in grads:
+            params, state = run(params, state, g, loss)
+        runs.append((params, state))
+    assert split.sync_calls > 0 and any(p.constant for p in split._pruned.values() if p is not None)
+    assert all(x.committed and x.devices() == {device} for x in jax.tree.leaves(runs[1]))
+    assert split.general_program._cache_size() == 1
+    _assert_same_bits(*runs)
+
+
+def test_a_result_computed_by_a_collective_is_not_kept_on_the_host():
+    """A step that also returns a collective of a constant (a replica count as a metric) reads
+    no argument for it, but on a mesh it communicates: the program computes it on every call
+    rather than a program of its own, run outside the harness's."""
+    tx = od.local_sgd(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
+
+    def step(params, state, grads):
+        return (*_step(tx)(params, state, grads), od.AxisComm(REPLICA).psum(jnp.float32(1.0)))
+
+    mesh = jax.make_mesh((N,), (REPLICA,), devices=jax.devices()[:N])
+    split = od.on_mesh(step, mesh, donate_argnums=(0, 1), split_local_steps=True)
+    params, state = _params(), od.on_mesh(tx.init, mesh)(_params())
+    for g in _grads(4):
+        params, state, replicas = split(params, state, g)
+        np.testing.assert_array_equal(replicas, np.full(N, N, np.float32))
+    (pruned,) = [p for (key, _), p in split._pruned.items() if key == LOCAL and p is not None]
+    assert split.local_calls == 3 and not pruned.constant
 
 
 @pytest.mark.parametrize("where", ["simulate", "mesh"])

@@ -175,7 +175,9 @@ def _reads(traced: Any, results: list[bool]) -> list[bool] | None:
 
 def _constant_results(traced: Any, candidates: list[int], count: int) -> frozenset[int]:
     """The ``candidates`` (result positions of ``count``) that read no argument, found by
-    bisection; none where the program has effects (a callback may return anything)."""
+    bisection; none where the program has effects (a callback may return anything) or where
+    computing them communicates (a metric's ``psum`` of a constant: it runs in the harness's
+    program, not in one of its own)."""
     if getattr(traced.jaxpr, "effects", True):
         return frozenset()
     found: list[int] = []
@@ -187,18 +189,53 @@ def _constant_results(traced: Any, candidates: list[int], count: int) -> frozens
             found += group
         elif len(group) > 1:
             groups += [group[: len(group) // 2], group[len(group) // 2 :]]
+    if found and _communicates(_only(traced, found, count)):
+        return frozenset()
     return frozenset(found)
 
 
-def _constants_program(traced: Any, positions: Sequence[int], count: int) -> Callable[[], tuple]:
-    """A compiled program of no argument returning the results at ``positions`` (of ``count``)
-    of a traced program, which read none of its arguments (``_constant_results``): its jaxpr
-    without the rest, so that it compiles in a fraction of the whole program's time."""
+# primitives that exchange data between replicas (by the start of their names)
+_COMMUNICATION = (
+    "psum",
+    "pmax",
+    "pmin",
+    "all_gather",
+    "all_to_all",
+    "ppermute",
+    "reduce_scatter",
+    "pbroadcast",
+)
+
+
+def _communicates(jaxpr: Any) -> bool:
+    """Whether a jaxpr (or one nested in it) runs a collective, a callback or a foreign call."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name.startswith(_COMMUNICATION) or "callback" in name or name == "ffi_call":
+            return True
+    return any(_communicates(sub) for sub in jax_core.subjaxprs(jaxpr))
+
+
+def _only(traced: Any, positions: Sequence[int], count: int, keep: int | None = None) -> Any:
+    """The jaxpr of a traced program computing only its results at ``positions`` (of
+    ``count``), from its argument ``keep`` alone (None: from none)."""
     from jax._src.interpreters import partial_eval as pe  # as in _reads
 
-    closed = traced.jaxpr
-    jaxpr, _ = pe.dce_jaxpr(closed.jaxpr, [k in positions for k in range(count)])
-    return jax.jit(jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(jaxpr, closed.consts)))
+    jaxpr = traced.jaxpr.jaxpr
+    keeping = [k == keep for k in range(len(jaxpr.invars))]
+    return pe.dce_jaxpr(jaxpr, [k in positions for k in range(count)], instantiate=keeping)[0]
+
+
+def _constants_program(
+    traced: Any, positions: Sequence[int], count: int, anchor: int | None
+) -> Callable[..., tuple]:
+    """A compiled program returning the results at ``positions`` (of ``count``) of a traced
+    program, which read none of its arguments (``_constant_results``): its jaxpr without the
+    rest, so that it compiles in a fraction of the whole program's time. It takes the argument
+    ``anchor`` (an array; None: no argument), unread, so that its results are placed and
+    committed as the whole program's are (on the arguments' device, or over their mesh)."""
+    closed = jax_core.ClosedJaxpr(_only(traced, positions, count, anchor), traced.jaxpr.consts)
+    return jax.jit(jax_core.jaxpr_as_fun(closed), keep_unused=True)
 
 
 def _split_over_other_axes(x: Any) -> bool:
@@ -224,7 +261,7 @@ class _Entry:
         self.alike: dict[Key, bool] = {}  # program's key → traces alike
         self.pruned: dict[Key, _Pruned | None] = {}  # absent: not looked up yet
         self.constants: dict[Key, tuple[jax.Array, ...]] = {}
-        self.constants_programs: dict[Key, Callable[[], tuple]] = {}
+        self.constants_programs: dict[Key, tuple[Callable[..., tuple], int | None]] = {}  # and its anchor
 
 
 def _owners(args: tuple) -> list[int]:
@@ -520,13 +557,15 @@ class SplitLocalSteps:
 
     def _constants(self, entry: _Entry, key: Key, args: tuple) -> tuple[jax.Array, ...]:
         """The results of the program of ``key`` that read no argument, for ``entry``'s shapes."""
-        program = entry.constants_programs.get(key)
-        if program is None:
-            pruned = entry.pruned[key]
-            traced = self._whole(key).trace(*args)
-            program = _constants_program(traced, pruned.constant, pruned.out_treedef.num_leaves)
-            entry.constants_programs[key] = program
-        return tuple(program())
+        leaves = jax.tree.leaves(args)
+        found = entry.constants_programs.get(key)
+        if found is None:
+            anchor = next((i for i, x in enumerate(leaves) if isinstance(x, jax.Array)), None)
+            pruned, traced = entry.pruned[key], self._whole(key).trace(*args)
+            program = _constants_program(traced, pruned.constant, pruned.out_treedef.num_leaves, anchor)
+            found = entry.constants_programs[key] = (program, anchor)
+        program, anchor = found
+        return tuple(program(*([] if anchor is None else [leaves[anchor]])))
 
     def _unshared(self, args: tuple, leaves: list, treedef: Any) -> tuple:
         """The arguments with a copy of each kept result at a donated position, for a program that
