@@ -110,6 +110,16 @@ def _step(tx):
     return step
 
 
+def _loss_step(tx):
+    """DASO's step: the loss goes to its plateau detector."""
+
+    def step(params, state, grads, loss):
+        updates, state = tx.update(grads, state, params, value=loss)
+        return od.apply_updates(params, updates, state), state
+
+    return step
+
+
 def _run(run, tx, grads, params=None, state=None):
     params = _params() if params is None else params
     state = od.simulate(tx.init)(params) if state is None else state
@@ -471,17 +481,13 @@ def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
         heat_quirks=od.HeatQuirks.all() if quirks else None,
     )
 
-    def step(params, state, grads, loss):
-        updates, state = tx.update(grads, state, params, value=loss)
-        return od.apply_updates(params, updates, state), state
-
     # the mean loss improves in epoch 1, then not in epoch 2: a plateau halves the cycle for epoch 3
     losses = [jnp.full((N,), 2.0 - (t // batches == 1)) for t in range(batches * epochs)]
     grads = _grads(batches * epochs)
     params = _params()
     runs = {}
     for split in (False, True):
-        run = wrap(step, donate_argnums=(0, 1), split_local_steps=split)
+        run = wrap(_loss_step(tx), donate_argnums=(0, 1), split_local_steps=split)
         p, state = jax.tree.map(jnp.array, params), wrap(tx.init)(params)
         cycles = []
         for g, loss in zip(grads, losses):
@@ -516,16 +522,12 @@ def test_daso_sends_bfloat16_parameters_as_the_general_program_rounds_them():
         cooldown_epochs=1,
     )
 
-    def step(params, state, grads, loss):
-        updates, state = tx.update(grads, state, params, value=loss)
-        return od.apply_updates(params, updates, state), state
-
     wrap = lambda f, **kw: od.simulate(f, axis_name=("node", "local"), shape=(2, 2), **kw)  # noqa: E731
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), _params())
     grads = [jax.tree.map(lambda g: g.astype(jnp.bfloat16), g) for g in _grads(3)]
     runs = []
     for split in (False, True):
-        run, p, state = wrap(step, split_local_steps=split), params, wrap(tx.init)(params)
+        run, p, state = wrap(_loss_step(tx), split_local_steps=split), params, wrap(tx.init)(params)
         for g in grads:  # the start, then two blocking averages of the warm-up
             p, state = run(p, state, g, jnp.ones(N))
         runs.append((p, state))
@@ -550,15 +552,11 @@ def test_kept_results_are_placed_like_the_arguments():
         nonfinite="ignore",
     )
 
-    def step(params, state, grads, loss):
-        updates, state = tx.update(grads, state, params, value=loss)
-        return od.apply_updates(params, updates, state), state
-
     wrap = functools.partial(od.simulate, axis_name=("node", "local"), shape=(2, 2))
-    split = wrap(step, donate_argnums=(0, 1), split_local_steps=True)
+    split = wrap(_loss_step(tx), donate_argnums=(0, 1), split_local_steps=True)
     grads, loss = jax.device_put(_grads(12), device), jax.device_put(jnp.ones(N), device)
     runs = []
-    for run in (wrap(step), split):
+    for run in (wrap(_loss_step(tx)), split):
         params = jax.device_put(_params(), device)
         state = jax.device_put(wrap(tx.init)(params), device)
         for g in grads:
