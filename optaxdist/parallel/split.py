@@ -252,7 +252,7 @@ class _Entry:
     """What the calls of one signature (the arguments as given, stacked axes included) share: the
     general program's plan, and per program of fixed branches (its key) whether it traces alike,
     its pruned program, and the results that one keeps on the host (``constants``) with the
-    program of no argument that computes them (``_constants_program``)."""
+    program that computes them (``_constants_program``) and the argument it takes."""
 
     __slots__ = ("signature", "plan", "arrays", "alike", "pruned", "constants", "constants_programs")
 
@@ -261,7 +261,7 @@ class _Entry:
         self.alike: dict[Key, bool] = {}  # program's key → traces alike
         self.pruned: dict[Key, _Pruned | None] = {}  # absent: not looked up yet
         self.constants: dict[Key, tuple[jax.Array, ...]] = {}
-        self.constants_programs: dict[Key, tuple[Callable[..., tuple], int | None]] = {}  # and its anchor
+        self.constants_programs: dict[Key, tuple[Callable[..., tuple], int | None]] = {}  # and anchor
 
 
 def _owners(args: tuple) -> list[int]:
@@ -537,9 +537,9 @@ class SplitLocalSteps:
         ):
             pruned = None
         if pruned is not None:
-            constants = entry.constants.get(key, ())
+            constants = entry.constants.get(key, ())  # computed at the first call, and again if deleted
             if len(constants) != len(pruned.constant) or any(x.is_deleted() for x in constants):
-                constants = entry.constants[key] = self._constants(entry, key, args)  # again if deleted
+                constants = entry.constants[key] = self._constants(entry, key, args, leaves)
                 self._kept = {i: x for i, x in self._kept.items() if not x.is_deleted()}
                 self._kept.update((id(x), x) for x in constants)
             donated = pruned.take_donated(leaves)
@@ -555,9 +555,8 @@ class SplitLocalSteps:
         out = self._whole(key)(*self._unshared(args, leaves, treedef))
         return out, jax.tree.leaves(out)
 
-    def _constants(self, entry: _Entry, key: Key, args: tuple) -> tuple[jax.Array, ...]:
+    def _constants(self, entry: _Entry, key: Key, args: tuple, leaves: list) -> tuple[jax.Array, ...]:
         """The results of the program of ``key`` that read no argument, for ``entry``'s shapes."""
-        leaves = jax.tree.leaves(args)
         found = entry.constants_programs.get(key)
         if found is None:
             anchor = next((i for i, x in enumerate(leaves) if isinstance(x, jax.Array)), None)
