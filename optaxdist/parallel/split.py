@@ -159,16 +159,25 @@ def _table_device() -> jax.Device:
         return jax.local_devices()[0]
 
 
-def _reads(traced: Any, results: list[bool]) -> list[bool] | None:
-    """Which of a traced program's flattened arguments the ``results`` read (dead-code
-    elimination of its jaxpr), or None where that cannot be told."""
-    try:
-        from jax._src.interpreters import partial_eval as pe  # no public API runs JAX's DCE
+def _dce(traced: Any, results: Sequence[bool], keep: int | None = None) -> tuple[Any, list[bool]]:
+    """A traced program's jaxpr computing only the ``results`` (dead-code elimination), from its
+    flattened arguments that they read and argument ``keep`` (None: no other), and which of the
+    arguments it takes."""
+    from jax._src.interpreters import partial_eval as pe  # no public API runs JAX's DCE
 
-        jaxpr = traced.jaxpr.jaxpr
-        if len(jaxpr.outvars) != len(results):
+    jaxpr = traced.jaxpr.jaxpr
+    keeping = [k == keep for k in range(len(jaxpr.invars))]
+    only, used = pe.dce_jaxpr(jaxpr, list(results), instantiate=keeping)
+    return only, list(used)
+
+
+def _reads(traced: Any, results: list[bool]) -> list[bool] | None:
+    """Which of a traced program's flattened arguments the ``results`` read, or None where that
+    cannot be told."""
+    try:
+        if len(traced.jaxpr.jaxpr.outvars) != len(results):
             return None
-        return list(pe.dce_jaxpr(jaxpr, results)[1])
+        return _dce(traced, results)[1]
     except (ImportError, AttributeError, TypeError):
         return None
 
@@ -189,7 +198,7 @@ def _constant_results(traced: Any, candidates: list[int], count: int) -> frozens
             found += group
         elif len(group) > 1:
             groups += [group[: len(group) // 2], group[len(group) // 2 :]]
-    if found and _communicates(_only(traced, found, count)):
+    if found and _communicates(_dce(traced, [k in found for k in range(count)])[0]):
         return frozenset()
     return frozenset(found)
 
@@ -216,16 +225,6 @@ def _communicates(jaxpr: Any) -> bool:
     return any(_communicates(sub) for sub in jax_core.subjaxprs(jaxpr))
 
 
-def _only(traced: Any, positions: Sequence[int], count: int, keep: int | None = None) -> Any:
-    """The jaxpr of a traced program computing only its results at ``positions`` (of
-    ``count``), from its argument ``keep`` alone (None: from none)."""
-    from jax._src.interpreters import partial_eval as pe  # as in _reads
-
-    jaxpr = traced.jaxpr.jaxpr
-    keeping = [k == keep for k in range(len(jaxpr.invars))]
-    return pe.dce_jaxpr(jaxpr, [k in positions for k in range(count)], instantiate=keeping)[0]
-
-
 def _constants_program(
     traced: Any, positions: Sequence[int], count: int, anchor: int | None
 ) -> Callable[..., tuple]:
@@ -234,7 +233,8 @@ def _constants_program(
     rest, so that it compiles in a fraction of the whole program's time. It takes the argument
     ``anchor`` (an array; None: no argument), unread, so that its results are placed and
     committed as the whole program's are (on the arguments' device, or over their mesh)."""
-    closed = jax_core.ClosedJaxpr(_only(traced, positions, count, anchor), traced.jaxpr.consts)
+    only = _dce(traced, [k in positions for k in range(count)], keep=anchor)[0]
+    closed = jax_core.ClosedJaxpr(only, traced.jaxpr.consts)
     return jax.jit(jax_core.jaxpr_as_fun(closed), keep_unused=True)
 
 
