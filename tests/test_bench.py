@@ -515,7 +515,24 @@ def test_overhead_local_steps_split(tmp_path, capsys):
     (row,) = json.loads((tmp_path / "overhead_simulate.json").read_text())["local_steps"]["results"]
     assert row["split"] and row["local_compile_s"] > 0 and row["local_program_step_bytes"] > 0
     assert row["first_sync_s"] > 0 and row["leaves"] == 6
-    assert all(len(row["samples_s"][key]) == 2 for key in ("local", "plain", "sync"))
+    assert all(
+        len(row["samples_s"][key]) == 2 for key in ("local", "plain", "sync", "loop_local", "loop_plain")
+    )
+    assert row["loop_local_ratio"] == row["loop_local_ms"] / row["loop_plain_ms"] > 0
+    assert f"loop: {local_steps.LOOP} local steps in a row" in out
+
+
+def test_local_steps_timed_in_a_loop_are_all_local():
+    """The loop's local steps run the local program only: a schedule position from which a
+    synchronization comes within ``LOOP`` steps is refused, not timed as local steps."""
+    case = local_steps.cases()["local_sgd"]
+    harness = local_steps.make_harness("simulate", 4, hierarchical=False)
+    inputs = local_steps.make_inputs(256, 4)
+    late = dataclasses.replace(case, local_at={"step": local_steps.SYNC_T - 3})
+    with pytest.raises(
+        RuntimeError, match=f"local_sgd: a synchronization ran in {local_steps.LOOP} local steps"
+    ):
+        local_steps.measure_case(late, harness, inputs, repeats=1, donate=True, split=True)
 
 
 def test_sharded_suite_memory(tmp_path, capsys):

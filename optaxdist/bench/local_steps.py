@@ -35,8 +35,10 @@ device per replica) and one number of replicas, the row reports:
 
 Timings: the inputs are placed on the mesh first (a timed call moves nothing), each function is
 compiled and called once untimed, then the functions of a row are called ``repeats`` times in turn
-(interleaved, ``block_until_ready`` after each call); medians are reported (every sample is kept
-in the JSON record, with the opcodes the transform's program has beyond the hand-written sync).
+(interleaved, ``block_until_ready`` after each call; with ``--donate`` each timed call follows an
+untimed step between synchronizations, as in a training loop); medians are reported (every sample
+is kept in the JSON record, with the opcodes the transform's program has beyond the hand-written
+sync).
 Before timing, the ledgers confirm that the "local" state sends nothing and the "sync" state does.
 The plain and hand-written steps are compiled once per harness and shared by its rows.
 """
@@ -64,6 +66,8 @@ from optaxdist.bench.overhead import _time, hlo_summary, make_params
 PERIOD = 30
 LOCAL_T = 5  # a step counter value at a non-sync position of every schedule below
 SYNC_T = PERIOD - 1  # (t + 1) % PERIOD == 0: a sync position
+LOOP = 8  # local steps in a row, timed as one (``_time_loop``): from LOCAL_T, none syncs (Streaming
+# DiLoCo's second fragment syncs at step 14)
 LR = 0.01
 FRAGMENTS = 2
 TRANSFORMS = (
@@ -237,6 +241,12 @@ class OuterByHand:
         leaves = jax.tree.leaves(params)
         anchors = tuple([leaves[i] for i in part] for part in self.parts(params))
         return inner().init(params), anchors, tuple(self.outer().init(a) for a in anchors)
+
+    def local(self, params: Params, state: tuple, grads: Params) -> tuple[Params, tuple]:
+        """A step between synchronizations: the plain step, anchors and outer states unchanged."""
+        inner_state, anchors, outer_states = state
+        updates, inner_state = inner().update(grads, inner_state, params)
+        return optax.apply_updates(params, updates), (inner_state, anchors, outer_states)
 
     def step(self, params: Params, state: tuple, grads: Params) -> tuple[Params, tuple]:
         inner_state, anchors, outer_states = state
@@ -501,6 +511,13 @@ def _timings(samples: Mapping[str, list[float]]) -> dict[str, float]:
         "sync_ratio": ms["sync"] / ms["hand_sync"],
         "hand_algorithm_ms": ms.get("hand_algorithm"),
         "sync_algorithm_ratio": ms["sync"] / ms["hand_algorithm"] if "hand_algorithm" in ms else None,
+        "loop_local_ms": ms.get("loop_local"),
+        "loop_plain_ms": ms.get("loop_plain"),
+        "loop_local_ratio": ms["loop_local"] / ms["loop_plain"] if "loop_local" in ms else None,
+        "loop_hand_local_ms": ms.get("loop_hand_local"),
+        "loop_local_hand_ratio": (
+            ms["loop_local"] / ms["loop_hand_local"] if "loop_hand_local" in ms else None
+        ),
     }
 
 
@@ -516,9 +533,9 @@ def measure_case(
 ) -> dict[str, Any]:
     """One row: local and sync step of ``case`` against plain and hand-written steps; with
     ``donate`` every step (ours and the references) reuses its parameters' and state's buffers,
-    and each timed call gets fresh copies of them, made before its clock starts. With ``split``
-    ours runs under ``split_local_steps=True`` and its local step is timed as a training loop
-    runs it and its sync step likewise (``_time_donated``'s ``chained``); needs ``donate``."""
+    and each timed call follows the untimed step a training loop makes before it
+    (``_time_donated``'s ``before``). With ``split`` ours runs under ``split_local_steps=True``;
+    needs ``donate``."""
     options = case.variant_options(variant)
     tx, plain_tx = case.build(harness.replicas, **options), inner()
     ours = harness.wrap(_step(tx), donate=donate, split=split)
@@ -549,19 +566,34 @@ def measure_case(
         "sync": (ours, (params, sync_state, grads)),
         **{k: (f, (params, plain_state, grads)) for k, f in hands.items()},
     }
+    # what a training loop runs before each row's step: a step between synchronizations
+    before = {
+        "local": ours,
+        "plain": plain,
+        "sync": ours,
+        "hand_sync": plain,
+        "hand_local": hands.get("hand_local"),
+    }
     if case.hand_algorithm is not None:
         by_hand = harness.wrap(case.hand_algorithm.step, donate=donate)
         algorithm_state = harness.place(harness.wrap(case.hand_algorithm.init)(inputs.params))
         _check_hand_algorithm(case, harness, ours, by_hand, params, sync_state, algorithm_state, grads)
         calls["hand_algorithm"] = (by_hand, (params, algorithm_state, grads))
+        before["hand_algorithm"] = harness.wrap(case.hand_algorithm.local, donate=donate)
     if donate:
         at = {"local": case.local_at, "sync": case.sync_at}
-        samples = _time_donated(
-            calls,
-            repeats,
-            lambda name, st, early: harness.place(_at(st, at[name], early)) if name in at else st,
-            chained=tuple(at) if split else (),
-        )
+
+        def reset(name: str, state: Any, early: int) -> Any:
+            return harness.place(_at(state, at[name], early)) if name in at else state
+
+        samples = _time_donated(calls, repeats, reset, before)
+        syncs = getattr(ours, "sync_calls", 0)
+        looped = {k: calls[k] for k in ("local", "plain", "hand_local") if k in calls}
+        samples |= {f"loop_{k}": v for k, v in _time_loop(looped, repeats, reset).items()}
+        if case.hand_local is None and getattr(ours, "sync_calls", 0) != syncs:
+            raise RuntimeError(
+                f"{case.name}: a synchronization ran in {LOOP} local steps from {case.local_at}"
+            )
     else:
         fns = [lambda f=f, a=a: f(*a) for f, a in calls.values()]
         samples = dict(zip(calls, _time(fns, repeats), strict=True))
@@ -608,48 +640,61 @@ def _copies(*trees: Any) -> tuple:
     return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), trees))
 
 
-def _split_calls(fn: Any) -> int:
-    """Calls of a ``split_local_steps`` step that ran a program of fixed branches (local or a
-    synchronization's); 0 for any other step."""
-    return getattr(fn, "local_calls", 0) + getattr(fn, "sync_calls", 0)
-
-
 def _time_donated(
     calls: Mapping[str, tuple[Step, tuple]],
     repeats: int,
     reset: Callable[[str, Any, int], Any],
-    chained: Sequence[str] = (),
+    before: Mapping[str, Step],
 ) -> dict[str, list[float]]:
     """``_time`` for donating steps, as a training loop runs them: each call of a row continues
     from the parameters and state its previous call returned (its own copy of the arguments at
-    first), its state's schedule fields set back by ``reset(name, state, 0)`` before the clock
-    starts (small arrays), so every call is the same kind of step.
+    first), and follows an untimed call of ``before[name]``, the step a loop makes before it (a
+    step between synchronizations: ours from its schedule one step earlier, ``reset(name, state,
+    1)``, small arrays set before the clock starts; a hand-written sync after the plain step).
 
-    ``chained``: rows of a ``split_local_steps`` step, whose calls find their counters on the
-    host only when the state is one a call of theirs returned: each timed call follows an
-    untimed one from ``reset(name, state, 1)`` (the schedule one step earlier). A row whose step
-    runs no program of fixed branches is timed like the others."""
+    So every timed call comes after the program it comes after in training: a synchronization's
+    after a local step's, never after another synchronization's, whose collective left the
+    devices' threads warm (on a CPU mesh that alone takes a fifth off a sync step). And a
+    ``split_local_steps`` step finds its counters on the host, as it does in a loop."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: dict[str, list[float]] = {k: [] for k in calls}
-    chained = list(chained)
-    for i in range(100 * (repeats + 1)):  # the first round warms up
-        if i == 3:  # by now a step with programs of fixed branches has run one
-            chained = [name for name in chained if _split_calls(calls[name][0])]
+    for i in range(repeats + 1):  # the first round warms up
         for name, (fn, _) in calls.items():
             params, state, grads = carried[name]
-            if name in chained:
-                state = jax.block_until_ready(reset(name, state, 1))
-                params, state = jax.block_until_ready(fn(params, state, grads))
-            else:
-                state = jax.block_until_ready(reset(name, state, 0))
+            state = jax.block_until_ready(reset(name, state, 1))
+            params, state = jax.block_until_ready(before[name](params, state, grads))
             t = time.perf_counter()
             params, state = jax.block_until_ready(fn(params, state, grads))
             elapsed = time.perf_counter() - t
-            if i > 0 and len(samples[name]) < repeats:
+            if i > 0:
                 samples[name].append(elapsed)
             carried[name] = (params, state, grads)
-        if all(len(v) >= repeats for v in samples.values()):
-            break
+    return samples
+
+
+def _time_loop(
+    calls: Mapping[str, tuple[Step, tuple]], repeats: int, reset: Callable[[str, Any, int], Any]
+) -> dict[str, list[float]]:
+    """Seconds per step of ``LOOP`` steps in a row of each row, as a training loop makes them:
+    each call dispatched as soon as the one before returns, one wait at the end, so the host's
+    part of a call overlaps the device's work on the ones before it wherever the device is the
+    slower (a GPU; on the CPU a call mostly runs as it is dispatched). Each run starts from the
+    state the row's last run left, its schedule fields set back before an untimed call (after
+    which a ``split_local_steps`` step knows its counters)."""
+    carried = {name: _copies(*args) for name, (_, args) in calls.items()}
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(repeats + 1):  # the first round warms up
+        for name, (fn, _) in calls.items():
+            params, state, grads = carried[name]
+            state = jax.block_until_ready(reset(name, state, 1))
+            params, state = jax.block_until_ready(fn(params, state, grads))
+            t = time.perf_counter()
+            for _ in range(LOOP):
+                params, state = fn(params, state, grads)
+            jax.block_until_ready((params, state))
+            if i > 0:
+                samples[name].append((time.perf_counter() - t) / LOOP)
+            carried[name] = (params, state, grads)
     return samples
 
 
@@ -872,21 +917,29 @@ def _local_mb(row: Mapping[str, Any]) -> str:
 
 def format_local_steps(section: Mapping[str, Any]) -> str:
     """Markdown tables: the timing rows, then state bytes per parameter byte."""
-    out = ["every step donates its parameters and state (--donate)", ""] if section.get("donate") else []
+    out = []
+    if section.get("donate"):
+        out += [
+            "every step donates its parameters and state (--donate); each timed step follows an "
+            "untimed step between synchronizations, as in a training loop (ours: its own, one step "
+            f"earlier in its schedule; a hand-written sync: the plain step); loop: {LOOP} local steps "
+            "in a row with one wait at the end, per step (hand: the hand-written local step, else "
+            "plain)",
+            "",
+        ]
     if section.get("split"):
         out += [
-            "the transforms' steps run under split_local_steps=True (--split-local-steps): each "
-            "timed local or sync step follows an untimed call, as in a training loop (the host then "
-            "knows the counters); compile s: general program + local program + first sync call (– "
-            "where a row has no local program); step MB: general program (the local program a local "
-            "call runs) / plain",
+            "the transforms' steps run under split_local_steps=True (--split-local-steps); compile "
+            "s: general program + local program + first sync call (– where a row has no local "
+            "program); step MB: general program (the local program a local call runs) / plain",
             "",
         ]
     out += [
         "| transform | harness | replicas | parameters | local ms | plain ms | local / plain | "
         "hand local ms | local / hand | sync ms | hand sync ms | sync / hand | hand algorithm ms | "
-        "sync / hand algorithm | compile s | state B / param B | step MB / plain MB | peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "sync / hand algorithm | loop local ms | loop local / plain | loop local / hand | compile s | "
+        "state B / param B | step MB / plain MB | peak MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in section["results"]:
         shape = "×".join(map(str, r["shape"]))
@@ -896,7 +949,9 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
             f"{r['local_ms']:.3f} | {r['plain_ms']:.3f} | {r['local_ratio']:.2f} | "
             f"{r['hand_local_ms']:.3f} | {r['local_hand_ratio']:.2f} | {r['sync_ms']:.3f} | "
             f"{r['hand_sync_ms']:.3f} | {r['sync_ratio']:.2f} | {_number(r['hand_algorithm_ms'], 3)} | "
-            f"{_number(r['sync_algorithm_ratio'], 2)} | {_compile(r)} | "
+            f"{_number(r['sync_algorithm_ratio'], 2)} | {_number(r.get('loop_local_ms'), 3)} | "
+            f"{_number(r.get('loop_local_ratio'), 2)} | "
+            f"{_number(r.get('loop_local_hand_ratio') or r.get('loop_local_ratio'), 2)} | {_compile(r)} | "
             f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('step_bytes'))}{_local_mb(r)} / "
             f"{_mb(r.get('plain_step_bytes'))} | {_mb(r.get('peak_bytes_in_use'))} |"
         )
