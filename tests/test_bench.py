@@ -522,6 +522,34 @@ def test_overhead_local_steps_split(tmp_path, capsys):
     assert f"loop: {local_steps.LOOP} local steps in a row" in out
 
 
+def test_each_timed_step_follows_the_step_a_loop_makes_before_it():
+    """``_time_donated`` times each row's step right after an untimed call of its ``before`` step,
+    on the state that call returned (ours: from one step earlier in its schedule), never right
+    after another row's step; ``_time_loop`` times ``LOOP`` steps after one untimed step."""
+    calls_made = []
+
+    def recorder(name):
+        def step(params, state, grads):
+            calls_made.append((name, int(state)))
+            return params, state + 1
+
+        return step
+
+    zeros = (np.zeros(()),) * 3
+    calls = {"sync": (recorder("sync"), zeros), "hand_sync": (recorder("hand_sync"), zeros)}
+    before = {"sync": recorder("local"), "hand_sync": recorder("plain")}
+    reset = lambda name, state, early: np.asarray(100 - early) if name == "sync" else state  # noqa: E731
+    samples = local_steps._time_donated(calls, 3, reset, before)
+    assert {k: len(v) for k, v in samples.items()} == {"sync": 3, "hand_sync": 3}
+    assert calls_made[:4] == [("local", 99), ("sync", 100), ("plain", 0), ("hand_sync", 1)]
+    assert calls_made[4:8] == [("local", 99), ("sync", 100), ("plain", 2), ("hand_sync", 3)]
+    assert len(calls_made) == 2 * 2 * 4
+    calls_made.clear()
+    looped = local_steps._time_loop({"sync": calls["sync"]}, 2, reset)
+    assert len(looped["sync"]) == 2
+    assert calls_made == 3 * [("sync", 99), *(("sync", 100 + k) for k in range(local_steps.LOOP))]
+
+
 def test_local_steps_timed_in_a_loop_are_all_local():
     """The loop's local steps run the local program only: a schedule position from which a
     synchronization comes within ``LOOP`` steps is refused, not timed as local steps."""

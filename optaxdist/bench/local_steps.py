@@ -35,10 +35,10 @@ device per replica) and one number of replicas, the row reports:
 
 Timings: the inputs are placed on the mesh first (a timed call moves nothing), each function is
 compiled and called once untimed, then the functions of a row are called ``repeats`` times in turn
-(interleaved, ``block_until_ready`` after each call; with ``--donate`` each timed call follows an
-untimed step between synchronizations, as in a training loop); medians are reported (every sample
-is kept in the JSON record, with the opcodes the transform's program has beyond the hand-written
-sync).
+(interleaved, ``block_until_ready`` after each call; each timed call follows an untimed call of
+the step a training loop makes before it: with ``--donate`` a step between synchronizations,
+without it the same call); medians are reported (every sample is kept in the JSON record, with
+the opcodes the transform's program has beyond the hand-written sync).
 Before timing, the ledgers confirm that the "local" state sends nothing and the "sync" state does.
 The plain and hand-written steps are compiled once per harness and shared by its rows.
 """
@@ -61,7 +61,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxdist
-from optaxdist.bench.overhead import _time, hlo_summary, make_params
+from optaxdist.bench.overhead import hlo_summary, make_params
 
 PERIOD = 30
 LOCAL_T = 5  # a step counter value at a non-sync position of every schedule below
@@ -595,8 +595,7 @@ def measure_case(
                 f"{case.name}: a synchronization ran in {LOOP} local steps from {case.local_at}"
             )
     else:
-        fns = [lambda f=f, a=a: f(*a) for f, a in calls.values()]
-        samples = dict(zip(calls, _time(fns, repeats), strict=True))
+        samples = _time_after_itself(calls, repeats)
     if split and not ours.local_calls:  # gossip: every step ran a synchronization's program
         local_compile_s = local_compiled = None
     hand_compiled = hands["hand_sync"].lower(params, plain_state, grads).compile()
@@ -638,6 +637,21 @@ def measure_case(
 def _copies(*trees: Any) -> tuple:
     """Fresh copies (same placement) of ``trees``, ready: what a donating call may consume."""
     return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), trees))
+
+
+def _time_after_itself(calls: Mapping[str, tuple[Step, tuple]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each row's call on its own arguments (nothing donated), the rows in turn, each
+    timed call right after an untimed one of itself: never right after another row's program
+    (see ``_time_donated``)."""
+    samples: dict[str, list[float]] = {k: [] for k in calls}
+    for i in range(repeats + 1):  # the first round warms up
+        for name, (fn, args) in calls.items():
+            jax.block_until_ready(fn(*args))
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            if i > 0:
+                samples[name].append(time.perf_counter() - t)
+    return samples
 
 
 def _time_donated(
