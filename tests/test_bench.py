@@ -545,22 +545,50 @@ def test_each_timed_step_follows_the_step_a_loop_makes_before_it():
     assert calls_made[4:8] == [("local", 99), ("sync", 100), ("plain", 2), ("hand_sync", 3)]
     assert len(calls_made) == 2 * 2 * 4
     calls_made.clear()
-    looped = local_steps._time_loop({"sync": calls["sync"]}, 2, reset)
-    assert len(looped["sync"]) == 2
+    looped, ends = local_steps._time_loop({"sync": calls["sync"]}, 2, reset)
+    assert len(looped["sync"]) == 2 and int(ends["sync"]) == 100 + local_steps.LOOP
     assert calls_made == 3 * [("sync", 99), *(("sync", 100 + k) for k in range(local_steps.LOOP))]
 
 
-def test_local_steps_timed_in_a_loop_are_all_local():
-    """The loop's local steps run the local program only: a schedule position from which a
-    synchronization comes within ``LOOP`` steps is refused, not timed as local steps."""
-    case = local_steps.cases()["local_sgd"]
+@pytest.mark.parametrize("name", ["local_sgd", "sgp"])
+@pytest.mark.parametrize("split", [False, True])
+def test_local_steps_timed_in_a_loop_are_all_local(name, split):
+    """The loop's local steps synchronize nothing (gossip: no global average): a schedule position
+    from which a synchronization comes within ``LOOP`` steps is refused, not timed as local
+    steps, with or without the split."""
+    case = local_steps.cases()[name]
     harness = local_steps.make_harness("simulate", 4, hierarchical=False)
     inputs = local_steps.make_inputs(256, 4)
     late = dataclasses.replace(case, local_at={"step": local_steps.SYNC_T - 3})
     with pytest.raises(
-        RuntimeError, match=f"local_sgd: a synchronization ran in {local_steps.LOOP} local steps"
+        RuntimeError, match=f"{name}: a synchronization ran in {local_steps.LOOP} local steps"
     ):
-        local_steps.measure_case(late, harness, inputs, repeats=1, donate=True, split=True)
+        local_steps.measure_case(late, harness, inputs, repeats=1, donate=True, split=split)
+
+
+def test_each_row_follows_the_hand_written_step_before_it():
+    """The hand-written sync follows the hand-written step that comes before it in a loop: the
+    ring exchange for gossip, the step on the node's mean gradient for DASO (whose step before a
+    global sync averages the gradients over the node), the plain step otherwise; the hand-written
+    algorithm follows its own local step; ours and the plain step follow themselves."""
+    harness = local_steps.make_harness("simulate", 4, hierarchical=False)
+    plain = local_steps.reference_step(harness, None, True)
+    for name, case in local_steps.cases().items():
+        ours = object()
+        before = local_steps.predecessors(case, harness, ours, True)
+        assert before["local"] is before["sync"] is ours, name
+        assert before["plain"] is plain, name
+        if name in ("decentralized_sgd", "sgp"):
+            ring = local_steps.reference_step(harness, case.hand_local, True)
+            assert before["hand_sync"] is before["hand_local"] is ring, name
+        elif name == "daso":
+            on_node_mean = local_steps.reference_step(
+                harness, local_steps._unchanged, True, case.hand_sync_grads
+            )
+            assert before["hand_sync"] is on_node_mean
+        else:
+            assert before["hand_sync"] is plain, name
+        assert ("hand_algorithm" in before) == (case.hand_algorithm is not None), name
 
 
 def test_sharded_suite_memory(tmp_path, capsys):

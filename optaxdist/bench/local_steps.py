@@ -566,33 +566,25 @@ def measure_case(
         "sync": (ours, (params, sync_state, grads)),
         **{k: (f, (params, plain_state, grads)) for k, f in hands.items()},
     }
-    # what a training loop runs before each row's step: a step between synchronizations
-    before = {
-        "local": ours,
-        "plain": plain,
-        "sync": ours,
-        "hand_sync": plain,
-        "hand_local": hands.get("hand_local"),
-    }
     if case.hand_algorithm is not None:
         by_hand = harness.wrap(case.hand_algorithm.step, donate=donate)
         algorithm_state = harness.place(harness.wrap(case.hand_algorithm.init)(inputs.params))
         _check_hand_algorithm(case, harness, ours, by_hand, params, sync_state, algorithm_state, grads)
         calls["hand_algorithm"] = (by_hand, (params, algorithm_state, grads))
-        before["hand_algorithm"] = harness.wrap(case.hand_algorithm.local, donate=donate)
     if donate:
         at = {"local": case.local_at, "sync": case.sync_at}
 
         def reset(name: str, state: Any, early: int) -> Any:
             return harness.place(_at(state, at[name], early)) if name in at else state
 
-        samples = _time_donated(calls, repeats, reset, before)
-        syncs = getattr(ours, "sync_calls", 0)
+        before = predecessors(case, harness, ours, donate)
+        samples = _time_donated(calls, repeats, reset, {k: before[k] for k in calls})
         looped = {k: calls[k] for k in ("local", "plain", "hand_local") if k in calls}
-        samples |= {f"loop_{k}": v for k, v in _time_loop(looped, repeats, reset).items()}
-        if case.hand_local is None and getattr(ours, "sync_calls", 0) != syncs:
+        loop_samples, ends = _time_loop(looped, repeats, reset)
+        samples |= {f"loop_{k}": v for k, v in loop_samples.items()}
+        if _sync_events(case, ends["local"]) != _sync_events(case, local_state):
             raise RuntimeError(
-                f"{case.name}: a synchronization ran in {LOOP} local steps from {case.local_at}"
+                f"{case.name}: a synchronization ran in {LOOP} local steps from {dict(case.local_at)}"
             )
     else:
         samples = _time_after_itself(calls, repeats)
@@ -634,6 +626,31 @@ def measure_case(
     }
 
 
+def predecessors(case: Case, harness: Harness, ours: Step, donate: bool) -> dict[str, Step]:
+    """Row → the step a training loop makes before that row's step (``_time_donated``'s
+    ``before``): ours, its own step (from one step earlier in its schedule: the step before a
+    synchronization); the plain step and the hand-written local step, themselves; the hand-written
+    sync, the hand-written step before it (gossip: the ring exchange; DASO: the plain step on the
+    node's mean gradient, as ours averages the gradients over the node before a global sync;
+    else the plain step); the hand-written algorithm, its local step."""
+    plain = reference_step(harness, None, donate)
+    out = {"local": ours, "sync": ours, "plain": plain}
+    if case.hand_local is not None:
+        out["hand_local"] = out["hand_sync"] = reference_step(harness, case.hand_local, donate)
+    elif case.hand_sync_grads is not None:
+        out["hand_sync"] = reference_step(harness, _unchanged, donate, case.hand_sync_grads)
+    else:
+        out["hand_sync"] = plain
+    if case.hand_algorithm is not None:
+        out["hand_algorithm"] = harness.wrap(case.hand_algorithm.local, donate=donate)
+    return out
+
+
+def _unchanged(params: Params) -> Params:
+    """No collective (with ``reference_step``'s ``on_grads``: a step on transformed gradients)."""
+    return params
+
+
 def _copies(*trees: Any) -> tuple:
     """Fresh copies (same placement) of ``trees``, ready: what a donating call may consume."""
     return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), trees))
@@ -660,16 +677,17 @@ def _time_donated(
     reset: Callable[[str, Any, int], Any],
     before: Mapping[str, Step],
 ) -> dict[str, list[float]]:
-    """``_time`` for donating steps, as a training loop runs them: each call of a row continues
-    from the parameters and state its previous call returned (its own copy of the arguments at
-    first), and follows an untimed call of ``before[name]``, the step a loop makes before it (a
-    step between synchronizations: ours from its schedule one step earlier, ``reset(name, state,
-    1)``, small arrays set before the clock starts; a hand-written sync after the plain step).
+    """Seconds of each row's calls with donated arguments, as a training loop makes them: each
+    call of a row continues from the parameters and state its previous call returned (its own
+    copy of the arguments at first), and follows an untimed call of ``before[name]``, the step a
+    loop makes before it (``predecessors``; ours from its schedule one step earlier,
+    ``reset(name, state, 1)``, small arrays set before the clock starts).
 
-    So every timed call comes after the program it comes after in training: a synchronization's
-    after a local step's, never after another synchronization's, whose collective left the
-    devices' threads warm (on a CPU mesh that alone takes a fifth off a sync step). And a
-    ``split_local_steps`` step finds its counters on the host, as it does in a loop."""
+    So every timed call comes after the program it comes after in training, never after another
+    row's: a program runs faster right after itself, and a synchronization right after another
+    synchronization, whose collective left the devices' threads warm (on a CPU mesh that took up
+    to a sixth off a hand-written sync). And a ``split_local_steps`` step finds its counters on
+    the host, as it does in a loop."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(repeats + 1):  # the first round warms up
@@ -688,13 +706,14 @@ def _time_donated(
 
 def _time_loop(
     calls: Mapping[str, tuple[Step, tuple]], repeats: int, reset: Callable[[str, Any, int], Any]
-) -> dict[str, list[float]]:
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Seconds per step of ``LOOP`` steps in a row of each row, as a training loop makes them:
     each call dispatched as soon as the one before returns, one wait at the end, so the host's
     part of a call overlaps the device's work on the ones before it wherever the device is the
     slower (a GPU; on the CPU a call mostly runs as it is dispatched). Each run starts from the
     state the row's last run left, its schedule fields set back before an untimed call (after
-    which a ``split_local_steps`` step knows its counters)."""
+    which a ``split_local_steps`` step knows its counters). Returns the samples and each row's
+    last state (its ledger counts every call's communication)."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(repeats + 1):  # the first round warms up
@@ -709,7 +728,7 @@ def _time_loop(
             if i > 0:
                 samples[name].append((time.perf_counter() - t) / LOOP)
             carried[name] = (params, state, grads)
-    return samples
+    return samples, {name: state for name, (_, state, _) in carried.items()}
 
 
 def _memory(compiled: Any) -> Any:
@@ -746,25 +765,28 @@ def peak_bytes_in_use() -> int | None:
     return int(peak) if peak is not None else None
 
 
+def _sync_events(case: Case, state: Any) -> int:
+    """The synchronizations ``state``'s ledgers counted: every event (gossip: the global average's,
+    its every step exchanging with the ring)."""
+    by_kind = optaxdist.comm_stats(state).by_kind
+    counted = [t for k, t in by_kind.items() if case.hand_local is None or k.collective == "all_reduce"]
+    return sum(t.collectives for t in counted)
+
+
 def _check_schedule(case: Case, step: Step, params, local_state, sync_state, grads) -> float:
     """The two states are where they claim to be: the ledgers' event counts grow on the sync
     step and not on the local step (gossip: the global-average kind only). Returns the seconds of
     the sync step's call: the first call to run a synchronization (with ``split_local_steps``,
     the one that traces and compiles its program)."""
 
-    def sync_events(state) -> int:
-        by_kind = optaxdist.comm_stats(state).by_kind
-        counted = [t for k, t in by_kind.items() if case.hand_local is None or k.collective == "all_reduce"]
-        return sum(t.collectives for t in counted)
-
-    before = sync_events(local_state)
-    if sync_events(step(*_copies(params, local_state, grads))[1]) != before:  # copies: donating steps
+    before = _sync_events(case, local_state)
+    if _sync_events(case, step(*_copies(params, local_state, grads))[1]) != before:  # copies: donating
         raise AssertionError(f"{case.name}: the 'local' step at {dict(case.local_at)} communicated")
     args = _copies(params, sync_state, grads)
     t0 = time.perf_counter()
     synced = jax.block_until_ready(step(*args))
     seconds = time.perf_counter() - t0
-    if sync_events(synced[1]) == sync_events(sync_state):
+    if _sync_events(case, synced[1]) == _sync_events(case, sync_state):
         raise AssertionError(f"{case.name}: the 'sync' step at {dict(case.sync_at)} sent nothing")
     return seconds
 
@@ -931,16 +953,17 @@ def _local_mb(row: Mapping[str, Any]) -> str:
 
 def format_local_steps(section: Mapping[str, Any]) -> str:
     """Markdown tables: the timing rows, then state bytes per parameter byte."""
-    out = []
     if section.get("donate"):
-        out += [
-            "every step donates its parameters and state (--donate); each timed step follows an "
-            "untimed step between synchronizations, as in a training loop (ours: its own, one step "
-            f"earlier in its schedule; a hand-written sync: the plain step); loop: {LOOP} local steps "
-            "in a row with one wait at the end, per step (hand: the hand-written local step, else "
-            "plain)",
+        out = [
+            "every step donates its parameters and state (--donate); each timed step follows the "
+            "untimed step a training loop makes before it (ours: its own, one step earlier in its "
+            "schedule; a hand-written sync: the hand-written step before it); loop: "
+            f"{LOOP} local steps in a row with one wait at the end, per step (hand: the "
+            "hand-written local step, else plain)",
             "",
         ]
+    else:
+        out = ["each timed call follows an untimed call of itself (nothing donated; a sync after a sync)", ""]
     if section.get("split"):
         out += [
             "the transforms' steps run under split_local_steps=True (--split-local-steps); compile "
