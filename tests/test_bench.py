@@ -525,7 +525,7 @@ def test_overhead_local_steps_split(tmp_path, capsys):
 def test_each_timed_step_follows_the_step_a_loop_makes_before_it():
     """``_time_donated`` times each row's step right after an untimed call of its ``before`` step,
     on the state that call returned (ours: from one step earlier in its schedule), never right
-    after another row's step; ``_time_loop`` times ``LOOP`` steps after one untimed step."""
+    after another row's step; with ``steps`` it times that many calls after one untimed step."""
     calls_made = []
 
     def recorder(name):
@@ -539,13 +539,15 @@ def test_each_timed_step_follows_the_step_a_loop_makes_before_it():
     calls = {"sync": (recorder("sync"), zeros), "hand_sync": (recorder("hand_sync"), zeros)}
     before = {"sync": recorder("local"), "hand_sync": recorder("plain")}
     reset = lambda name, state, early: np.asarray(100 - early) if name == "sync" else state  # noqa: E731
-    samples = local_steps._time_donated(calls, 3, reset, before)
+    samples, _ = local_steps._time_donated(calls, 3, reset, before)
     assert {k: len(v) for k, v in samples.items()} == {"sync": 3, "hand_sync": 3}
     assert calls_made[:4] == [("local", 99), ("sync", 100), ("plain", 0), ("hand_sync", 1)]
     assert calls_made[4:8] == [("local", 99), ("sync", 100), ("plain", 2), ("hand_sync", 3)]
     assert len(calls_made) == 2 * 2 * 4
     calls_made.clear()
-    looped, ends = local_steps._time_loop({"sync": calls["sync"]}, 2, reset)
+    looped, ends = local_steps._time_donated(
+        {"sync": calls["sync"]}, 2, reset, {"sync": calls["sync"][0]}, local_steps.LOOP
+    )
     assert len(looped["sync"]) == 2 and int(ends["sync"]) == 100 + local_steps.LOOP
     assert calls_made == 3 * [("sync", 99), *(("sync", 100 + k) for k in range(local_steps.LOOP))]
 

@@ -66,8 +66,9 @@ from optaxdist.bench.overhead import hlo_summary, make_params
 PERIOD = 30
 LOCAL_T = 5  # a step counter value at a non-sync position of every schedule below
 SYNC_T = PERIOD - 1  # (t + 1) % PERIOD == 0: a sync position
-LOOP = 8  # local steps in a row, timed as one (``_time_loop``): from LOCAL_T, none syncs (Streaming
-# DiLoCo's second fragment syncs at step 14)
+# local steps in a row, timed as one (``_time_donated``'s ``steps``): from LOCAL_T none syncs
+# (Streaming DiLoCo's second fragment syncs at step 14)
+LOOP = 8
 LR = 0.01
 FRAGMENTS = 2
 TRANSFORMS = (
@@ -578,9 +579,9 @@ def measure_case(
             return harness.place(_at(state, at[name], early)) if name in at else state
 
         before = predecessors(case, harness, ours, donate)
-        samples = _time_donated(calls, repeats, reset, {k: before[k] for k in calls})
+        samples, _ = _time_donated(calls, repeats, reset, before)
         looped = {k: calls[k] for k in ("local", "plain", "hand_local") if k in calls}
-        loop_samples, ends = _time_loop(looped, repeats, reset)
+        loop_samples, ends = _time_donated(looped, repeats, reset, before, steps=LOOP)
         samples |= {f"loop_{k}": v for k, v in loop_samples.items()}
         if _sync_events(case, ends["local"]) != _sync_events(case, local_state):
             raise RuntimeError(
@@ -676,18 +677,23 @@ def _time_donated(
     repeats: int,
     reset: Callable[[str, Any, int], Any],
     before: Mapping[str, Step],
-) -> dict[str, list[float]]:
-    """Seconds of each row's calls with donated arguments, as a training loop makes them: each
-    call of a row continues from the parameters and state its previous call returned (its own
-    copy of the arguments at first), and follows an untimed call of ``before[name]``, the step a
+    steps: int = 1,
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Seconds per step of each row's calls with donated arguments, as a training loop makes
+    them: each run of a row continues from the parameters and state its last run returned (its
+    own copy of the arguments at first), follows an untimed call of ``before[name]``, the step a
     loop makes before it (``predecessors``; ours from its schedule one step earlier,
-    ``reset(name, state, 1)``, small arrays set before the clock starts).
+    ``reset(name, state, 1)``, small arrays set before the clock starts), and times ``steps``
+    calls in a row, each dispatched as soon as the one before returns, with one wait at the end.
 
     So every timed call comes after the program it comes after in training, never after another
     row's: a program runs faster right after itself, and a synchronization right after another
     synchronization, whose collective left the devices' threads warm (on a CPU mesh that took up
     to a sixth off a hand-written sync). And a ``split_local_steps`` step finds its counters on
-    the host, as it does in a loop."""
+    the host, as it does in a loop. With ``steps`` > 1 the host's part of a call overlaps the
+    device's work on the ones before it wherever the device is the slower (a GPU; on the CPU a
+    call mostly runs as it is dispatched). Returns the samples and each row's last state (its
+    ledgers count every call's communication)."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(repeats + 1):  # the first round warms up
@@ -696,37 +702,11 @@ def _time_donated(
             state = jax.block_until_ready(reset(name, state, 1))
             params, state = jax.block_until_ready(before[name](params, state, grads))
             t = time.perf_counter()
-            params, state = jax.block_until_ready(fn(params, state, grads))
-            elapsed = time.perf_counter() - t
-            if i > 0:
-                samples[name].append(elapsed)
-            carried[name] = (params, state, grads)
-    return samples
-
-
-def _time_loop(
-    calls: Mapping[str, tuple[Step, tuple]], repeats: int, reset: Callable[[str, Any, int], Any]
-) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    """Seconds per step of ``LOOP`` steps in a row of each row, as a training loop makes them:
-    each call dispatched as soon as the one before returns, one wait at the end, so the host's
-    part of a call overlaps the device's work on the ones before it wherever the device is the
-    slower (a GPU; on the CPU a call mostly runs as it is dispatched). Each run starts from the
-    state the row's last run left, its schedule fields set back before an untimed call (after
-    which a ``split_local_steps`` step knows its counters). Returns the samples and each row's
-    last state (its ledger counts every call's communication)."""
-    carried = {name: _copies(*args) for name, (_, args) in calls.items()}
-    samples: dict[str, list[float]] = {k: [] for k in calls}
-    for i in range(repeats + 1):  # the first round warms up
-        for name, (fn, _) in calls.items():
-            params, state, grads = carried[name]
-            state = jax.block_until_ready(reset(name, state, 1))
-            params, state = jax.block_until_ready(fn(params, state, grads))
-            t = time.perf_counter()
-            for _ in range(LOOP):
+            for _ in range(steps):
                 params, state = fn(params, state, grads)
             jax.block_until_ready((params, state))
             if i > 0:
-                samples[name].append((time.perf_counter() - t) / LOOP)
+                samples[name].append((time.perf_counter() - t) / steps)
             carried[name] = (params, state, grads)
     return samples, {name: state for name, (_, state, _) in carried.items()}
 
