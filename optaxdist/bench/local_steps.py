@@ -8,7 +8,9 @@ one step is ``tx.update`` + ``optaxdist.apply_updates`` (``optax.apply_updates``
 non-finite updates skipped, ``exact_sync=True``; ``VARIANTS`` turns each off, to attribute the
 cost) and a period of
 ``PERIOD`` steps (gossip: a global average every ``PERIOD`` steps on a ring; DASO: 4 or 8 replicas
-per node, a blocking global sync every ``PERIOD`` batches, timed with no node gradient average).
+per node, a blocking global sync every ``PERIOD`` batches; its local step is a batch without the
+node's gradient average, which Heat's rules with this cycle turn on for good at the first global
+sync: the cost of DASO's step without communication, not of its every batch).
 
 For each transform, one harness (``simulate``: vmap on one device, or ``mesh``: shard_map over one
 device per replica) and one number of replicas, the row reports:
@@ -292,7 +294,8 @@ def _flat_comm() -> optaxdist.AxisComm:
 
 
 # DASO's schedule in the rows: no warm-up or cool-down epochs, a blocking global sync every PERIOD
-# batches, after the node's gradient average (Heat's rules turn it on before every global sync).
+# batches, after the node's gradient average (Heat's rules turn it on before every global sync, and
+# with local_skip == global_skip never off again: the local rows set it off by hand).
 DASO_SETTINGS = {
     "steps_per_epoch": 1000,
     "total_epochs": 10,
