@@ -252,9 +252,8 @@ class OuterByHand:
         return optax.apply_updates(params, updates), (inner_state, anchors, outer_states)
 
     def step(self, params: Params, state: tuple, grads: Params) -> tuple[Params, tuple]:
-        inner_state, anchors, outer_states = state
-        updates, inner_state = inner().update(grads, inner_state, params)
-        leaves, treedef = jax.tree.flatten(optax.apply_updates(params, updates))
+        params, (inner_state, anchors, outer_states) = self.local(params, state, grads)
+        leaves, treedef = jax.tree.flatten(params)
         part = self.parts(params)[0]
         mean = jax.lax.pmean([leaves[i] for i in part], optaxdist.REPLICA_AXIS)
         delta = [a - m for a, m in zip(anchors[0], mean, strict=True)]
