@@ -4,7 +4,9 @@ Timings are never asserted (benchmarks are not tests); only structure and exact 
 """
 
 import dataclasses
+import functools
 import json
+import operator
 
 import jax
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 from optaxdist.accounting import Kind
 from optaxdist.bench import cost, local_steps
+from optaxdist.bench import models as bench_models
 from optaxdist.bench.__main__ import main
 from optaxdist.bench.data import load_dataset, make_shards
 
@@ -520,6 +523,45 @@ def test_overhead_local_steps_split(tmp_path, capsys):
     )
     assert row["loop_local_ratio"] == row["loop_local_ms"] / row["loop_plain_ms"] > 0
     assert f"loop: {local_steps.LOOP} local steps in a row" in out
+
+
+def test_overhead_local_steps_with_a_model(tmp_path, capsys):
+    """``--local-model mlp``: every step takes the gradient of an MLP of about ``--local-params``
+    parameters on its replica's batch of digits (ours and the references alike: DiLoCo's sync is
+    checked against DiLoCo written by hand on the same gradients); a bad value is named."""
+    args = "--suite overhead --rows local-steps --transforms diloco --replica-counts 4 --local-params 1K"
+    args += " --repeats 2 --quiet --donate --split-local-steps"
+    assert main(["bench", *args.split(), "--local-model", "cnn", "--out", ""]) == 2
+    assert "--local-model 'cnn': one of none, mlp" in capsys.readouterr().err
+    assert main(["bench", *args.split(), "--local-model", "mlp", "--out", str(tmp_path)]) == 0
+    assert f"on {local_steps.BATCH} digits per replica" in capsys.readouterr().out
+    section = json.loads((tmp_path / "overhead_simulate.json").read_text())["local_steps"]
+    (row,) = section["results"]
+    assert (section["model"], row["model"], row["leaves"]) == ("mlp", "mlp", 6)
+    assert row["parameters"] == 11 * 11 + 76 * 11 + 10 == 967  # 64 → 11 → 11 → 10
+    assert row["sync_algorithm_ratio"] > 0 and len(row["samples_s"]["loop_local"]) == 2
+
+
+def test_a_model_step_descends_the_models_gradient():
+    """With ``model="mlp"`` a step's third argument is a batch: the plain step from zero momentum
+    moves every replica's parameters by −lr × the gradient of the MLP's cross-entropy on its own
+    batch (the replicas' batches differ)."""
+    inputs = local_steps.make_inputs(1000, 2, model="mlp")
+    harness = local_steps.make_harness("simulate", 2, hierarchical=False)
+    plain = local_steps.reference_step(harness, None, gradients_of=inputs.gradients_of)
+    state = harness.wrap(local_steps.inner().init)(inputs.params)
+    stepped, _ = plain(inputs.params, state, inputs.data)
+    model = bench_models.MLP(hidden=(local_steps.mlp_width(1000),) * 2)
+    x, y = inputs.data
+    assert not np.array_equal(x[0], x[1])
+    loss = functools.partial(bench_models.cross_entropy, model)
+    for r in range(2):
+        params = jax.tree.map(operator.itemgetter(r), inputs.params)
+        grads = jax.grad(loss)(params, x[r], y[r])
+        expected = jax.tree.map(lambda p, g: p - local_steps.LR * g, params, grads)
+        got = jax.tree.map(operator.itemgetter(r), stepped)
+        for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7)
 
 
 def test_each_timed_step_follows_the_step_a_loop_makes_before_it():

@@ -188,6 +188,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default 4; a model's layers make tens to hundreds)",
     )
     o.add_argument(
+        "--local-model",
+        default="none",
+        help="local-steps rows: where a step's gradients come from: none (given, random: the "
+        "optimizer's own cost, default) or mlp (each step takes the gradient of an MLP "
+        "64 → w → w → 10 of about --local-params parameters on 32 scikit-learn digits per "
+        "replica: a training step)",
+    )
+    o.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -292,7 +300,7 @@ def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
 
     Starts no JAX backend: the mesh harness must force its host devices first.
     """
-    from optaxdist.bench.local_steps import TRANSFORMS, VARIANTS
+    from optaxdist.bench.local_steps import MODELS, TRANSFORMS, VARIANTS
     from optaxdist.bench.overhead import parse_size
 
     rows = _comma_list(args.rows)
@@ -325,6 +333,9 @@ def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
     if args.local_leaves < 1:
         raise ValueError(f"--local-leaves {args.local_leaves}: at least 1")
     local_steps["leaves"] = args.local_leaves
+    if args.local_model not in MODELS:
+        raise ValueError(f"--local-model {args.local_model!r}: one of {', '.join(MODELS)}")
+    local_steps["model"] = args.local_model
     if args.donate:
         local_steps["donate"] = True
     if args.split_local_steps:

@@ -1,9 +1,14 @@
 """Cost of the local step and of the sync step of every periodic-synchronization transform.
 
-Part of ``optaxdist bench --suite overhead`` (``--rows local-steps``). No model: every replica
-holds precomputed random gradients for a flat params pytree of four square float32 matrices, and
-one step is ``tx.update`` + ``optaxdist.apply_updates`` (``optax.apply_updates``, then the
-``exact_sync`` replacement on synchronizing steps). The inner optimizer is always
+Part of ``optaxdist bench --suite overhead`` (``--rows local-steps``). By default no model
+(``model="none"``): every replica holds precomputed random gradients for a flat params pytree of
+four square float32 matrices, and one step is ``tx.update`` + ``optaxdist.apply_updates``
+(``optax.apply_updates``, then the ``exact_sync`` replacement on synchronizing steps): the
+optimizer's own cost, the hardest case for a ratio. With ``model="mlp"`` every step (ours, the
+plain and the hand-written ones alike) first takes the gradient of an MLP's cross-entropy
+(64 → w → w → 10, ``w`` so that it has about the parameters asked for) on a batch of ``BATCH``
+scikit-learn digits per replica: a training step, as the issue measured it ("a 100 k-parameter
+model"). The inner optimizer is always
 ``optax.sgd(0.01, momentum=0.9)``; every transform runs with its defaults (``check_start=True``,
 non-finite updates skipped, ``exact_sync=True``; ``VARIANTS`` turns each off, to attribute the
 cost) and a period of
@@ -58,11 +63,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxdist
+from optaxdist.bench import models
+from optaxdist.bench.data import load_dataset
 from optaxdist.bench.overhead import hlo_summary, make_params
 
 PERIOD = 30
@@ -84,6 +92,9 @@ TRANSFORMS = (
 )
 STATE_ONLY = ("allreduce", "powersgd_r4", "topk_1pct_ef")  # state-bytes table only
 HARNESSES = ("simulate", "mesh")
+MODELS = ("none", "mlp")  # where a step's gradients come from: given, or an MLP on a batch
+BATCH = 32  # examples per replica in a step of model="mlp"
+DIGITS_FEATURES = 64
 # Keyword arguments of the transforms per variant: "default" is what the issue's targets are
 # about; the others attribute the cost of the start check and of the non-finite guard.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -409,6 +420,39 @@ def _step(tx: optax.GradientTransformation) -> Step:
     return step
 
 
+GradientsOf = Callable[[Params, Any], Params]
+
+
+def given(params: Params, grads: Params) -> Params:
+    """``model="none"``: a step's third argument is its gradients."""
+    return grads
+
+
+@functools.cache
+def mlp_gradients(width: int) -> GradientsOf:
+    """``model="mlp"``: the gradients of ``MLP((width, width))``'s cross-entropy on the step's
+    third argument, a batch ``(x, y)`` (one function per width: the jitted steps are shared)."""
+    model = models.MLP(hidden=(width, width))
+
+    def gradients(params: Params, batch: tuple[jax.Array, jax.Array]) -> Params:
+        x, y = batch
+        return jax.grad(lambda p: models.cross_entropy(model, p, x, y))(params)
+
+    return gradients
+
+
+def _on_data(step: Step, gradients_of: GradientsOf) -> Step:
+    """``step`` of ``(params, state, grads)`` as a step of ``(params, state, data)``, its
+    gradients ``gradients_of(params, data)`` (``given``: ``step`` itself)."""
+    if gradients_of is given:
+        return step
+
+    def run(params, state, data):
+        return step(params, state, gradients_of(params, data))
+
+    return run
+
+
 def _then(
     step: Step, collective: Callable[[Params], Params], on_grads: Callable[[Params], Params] | None = None
 ) -> Step:
@@ -422,18 +466,24 @@ def _then(
     return run
 
 
-@functools.cache
 def reference_step(
     harness: Harness,
     collective: Callable[[Params], Params] | None,
     donate: bool = False,
     on_grads: Callable[[Params], Params] | None = None,
+    gradients_of: GradientsOf = given,
 ) -> Step:
     """The plain optax step (``collective=None``) or plain + a hand-written collective (after
-    ``on_grads`` on the gradients), jitted once per harness: every row of a harness times the
-    same executables."""
+    ``on_grads`` on the gradients), jitted once per harness and model: every row of a harness
+    times the same executables."""
+    return _reference_step(harness, collective, donate, on_grads, gradients_of)
+
+
+@functools.cache  # positional only: the same step whichever way reference_step was called
+def _reference_step(harness, collective, donate, on_grads, gradients_of) -> Step:
     step = _step(inner())
-    return harness.wrap(step if collective is None else _then(step, collective, on_grads), donate=donate)
+    step = step if collective is None else _then(step, collective, on_grads)
+    return harness.wrap(_on_data(step, gradients_of), donate=donate)
 
 
 def _at(state: Any, fields: Mapping[str, int | bool], early: int = 0) -> Any:
@@ -469,22 +519,53 @@ def _state_entry(name: str, state: Any, replicas: int, param_bytes: int) -> dict
 
 @dataclasses.dataclass
 class Inputs:
-    """Stacked params and per-replica gradients of one size on one harness."""
+    """Stacked params and each replica's data of one size: its gradients (``model="none"``) or a
+    batch of the model's (``"mlp"``), and how a step turns them into gradients."""
 
     params: Params
-    grads: Params
+    data: Any
+    gradients_of: GradientsOf
     parameters: int
     param_bytes: int  # per replica
+    model: str = "none"
 
 
-def make_inputs(n_params: int, replicas: int, seed: int = 0, leaves: int = 4) -> Inputs:
-    params = optaxdist.replicate(make_params(n_params, leaves), replicas)
-    keys = jax.random.split(jax.random.key(seed), len(params))
-    grads = {
-        k: jax.random.normal(kk, v.shape, v.dtype) for (k, v), kk in zip(params.items(), keys, strict=True)
-    }
+def mlp_width(n_params: int) -> int:
+    """The hidden width ``w`` whose MLP 64 → w → w → 10 has the parameter count nearest ``n_params``
+    (``w² + 76 w + 10`` parameters)."""
+    count = lambda w: w * w + (DIGITS_FEATURES + 12) * w + 10  # noqa: E731
+    w = max(1, math.isqrt(max(n_params, 0)))
+    while w > 1 and count(w) > n_params:
+        w -= 1
+    return min((w, w + 1), key=lambda v: abs(count(v) - n_params))
+
+
+def make_inputs(n_params: int, replicas: int, seed: int = 0, leaves: int = 4, model: str = "none") -> Inputs:
+    """``replicas`` copies of the parameters and each replica's data. ``"mlp"``: ``leaves`` does
+    not apply (the MLP has 6 arrays); each replica's batch is ``BATCH`` examples drawn (seeded,
+    with replacement) from the digits' training split."""
+    if model not in MODELS:
+        raise ValueError(f"model={model!r}; allowed: {MODELS}")
+    if model == "mlp":
+        width = mlp_width(n_params)
+        params = models.init_params(models.MLP(hidden=(width, width)), DIGITS_FEATURES, seed)
+        params = optaxdist.replicate(params, replicas)
+        digits = load_dataset("digits")
+        picks = np.random.default_rng(seed).integers(0, len(digits.y_train), (replicas, BATCH))
+        data, gradients_of = (
+            (jnp.asarray(digits.x_train[picks]), jnp.asarray(digits.y_train[picks])),
+            mlp_gradients(width),
+        )
+    else:
+        params = optaxdist.replicate(make_params(n_params, leaves), replicas)
+        keys = jax.random.split(jax.random.key(seed), len(params))
+        data = {
+            k: jax.random.normal(kk, v.shape, v.dtype)
+            for (k, v), kk in zip(params.items(), keys, strict=True)
+        }
+        gradients_of = given
     parameters = sum(int(x[0].size) for x in jax.tree.leaves(params))
-    return Inputs(params, grads, parameters, 4 * parameters)
+    return Inputs(params, data, gradients_of, parameters, 4 * parameters, model)
 
 
 def _hlo_extra(ours: Any, hand: Any) -> dict[str, Any]:
@@ -540,16 +621,16 @@ def measure_case(
     (``_time_donated``'s ``before``). With ``split`` ours runs under ``split_local_steps=True``;
     needs ``donate``."""
     options = case.variant_options(variant)
-    tx, plain_tx = case.build(harness.replicas, **options), inner()
-    ours = harness.wrap(_step(tx), donate=donate, split=split)
-    plain = reference_step(harness, None, donate)
-    hands = {"hand_sync": reference_step(harness, case.hand_sync, donate, case.hand_sync_grads)}
+    tx, plain_tx, gradients_of = case.build(harness.replicas, **options), inner(), inputs.gradients_of
+    ours = harness.wrap(_on_data(_step(tx), gradients_of), donate=donate, split=split)
+    plain = reference_step(harness, None, donate, gradients_of=gradients_of)
+    hands = {"hand_sync": reference_step(harness, case.hand_sync, donate, case.hand_sync_grads, gradients_of)}
     if case.hand_local is not None:
-        hands["hand_local"] = reference_step(harness, case.hand_local, donate)
+        hands["hand_local"] = reference_step(harness, case.hand_local, donate, gradients_of=gradients_of)
     state = harness.wrap(tx.init)(inputs.params)
     total, fixed = state_bytes(state, harness.replicas)
 
-    params, grads = harness.place(inputs.params), harness.place(inputs.grads)
+    params, grads = harness.place(inputs.params), harness.place(inputs.data)
     local_state = harness.place(_at(state, case.local_at))
     sync_state = harness.place(_at(state, case.sync_at))
     plain_state = harness.place(harness.wrap(plain_tx.init)(inputs.params))
@@ -570,7 +651,7 @@ def measure_case(
         **{k: (f, (params, plain_state, grads)) for k, f in hands.items()},
     }
     if case.hand_algorithm is not None:
-        by_hand = harness.wrap(case.hand_algorithm.step, donate=donate)
+        by_hand = harness.wrap(_on_data(case.hand_algorithm.step, gradients_of), donate=donate)
         algorithm_state = harness.place(harness.wrap(case.hand_algorithm.init)(inputs.params))
         _check_hand_algorithm(case, harness, ours, by_hand, params, sync_state, algorithm_state, grads)
         calls["hand_algorithm"] = (by_hand, (params, algorithm_state, grads))
@@ -580,7 +661,7 @@ def measure_case(
         def reset(name: str, state: Any, early: int) -> Any:
             return harness.place(_at(state, at[name], early)) if name in at else state
 
-        before = predecessors(case, harness, ours, donate)
+        before = predecessors(case, harness, ours, donate, gradients_of)
         samples, _ = _time_donated(calls, repeats, reset, before)
         looped = {k: calls[k] for k in ("local", "plain", "hand_local") if k in calls}
         loop_samples, ends = _time_donated(looped, repeats, reset, before, steps=LOOP)
@@ -605,7 +686,8 @@ def measure_case(
         "axes": list(harness.axes),
         "shape": list(harness.shape),
         "parameters": inputs.parameters,
-        "leaves": len(inputs.params),
+        "leaves": len(jax.tree.leaves(inputs.params)),
+        "model": inputs.model,
         "repeats": repeats,
         "donate": donate,
         **_timings(samples),
@@ -629,23 +711,27 @@ def measure_case(
     }
 
 
-def predecessors(case: Case, harness: Harness, ours: Step, donate: bool) -> dict[str, Step]:
+def predecessors(
+    case: Case, harness: Harness, ours: Step, donate: bool, gradients_of: GradientsOf = given
+) -> dict[str, Step]:
     """Row → the step a training loop makes before that row's step (``_time_donated``'s
     ``before``): ours, its own step (from one step earlier in its schedule: the step before a
     synchronization); the plain step and the hand-written local step, themselves; the hand-written
     sync, the hand-written step before it (gossip: the ring exchange; DASO: the plain step on the
     node's mean gradient, as ours averages the gradients over the node before a global sync;
     else the plain step); the hand-written algorithm, its local step."""
-    plain = reference_step(harness, None, donate)
+    plain = reference_step(harness, None, donate, gradients_of=gradients_of)
     out = {"local": ours, "sync": ours, "plain": plain}
     if case.hand_local is not None:
-        out["hand_local"] = out["hand_sync"] = reference_step(harness, case.hand_local, donate)
+        ring = reference_step(harness, case.hand_local, donate, gradients_of=gradients_of)
+        out["hand_local"] = out["hand_sync"] = ring
     elif case.hand_sync_grads is not None:
-        out["hand_sync"] = reference_step(harness, _unchanged, donate, case.hand_sync_grads)
+        out["hand_sync"] = reference_step(harness, _unchanged, donate, case.hand_sync_grads, gradients_of)
     else:
         out["hand_sync"] = plain
     if case.hand_algorithm is not None:
-        out["hand_algorithm"] = harness.wrap(case.hand_algorithm.local, donate=donate)
+        local = _on_data(case.hand_algorithm.local, gradients_of)
+        out["hand_algorithm"] = harness.wrap(local, donate=donate)
     return out
 
 
@@ -818,6 +904,7 @@ def run_local_steps(
     variants: Sequence[str] = ("default",),
     n_params: int | None = None,
     leaves: int = 4,
+    model: str = "none",
     repeats: int = 11,
     donate: bool = False,
     split: bool = False,
@@ -830,6 +917,8 @@ def run_local_steps(
 
     ``split``: the transforms' steps run under ``split_local_steps=True`` (needs ``donate``).
     ``leaves``: the parameters' arrays per replica (``n_params`` spread over them).
+    ``model``: where a step's gradients come from (``MODELS``: ``"none"``, given; ``"mlp"``, an
+    MLP of about ``n_params`` parameters on a batch of ``BATCH`` digits per replica).
 
     Returns the ``local_steps`` part of the overhead record (``results``: timing rows,
     ``state_bytes``: the state table per parameter count, ``skipped``: rows that could not run).
@@ -845,7 +934,7 @@ def run_local_steps(
     rows, skipped, sizes = [], [], {}
     for replicas in replica_counts:
         size = n_params or default_params(replicas)
-        inputs = make_inputs(size, replicas, leaves=leaves)
+        inputs = make_inputs(size, replicas, leaves=leaves, model=model)
         sizes[inputs.parameters] = size
         for harness_name in harnesses:
             if harness_name == "mesh" and len(jax.devices()) < replicas:
@@ -890,6 +979,8 @@ def run_local_steps(
         "donate": donate,
         "split": split,
         "leaves": leaves,
+        "model": model,
+        "batch": BATCH if model == "mlp" else None,
         "results": rows,
         "state_bytes": state_table,
         "skipped": skipped,
@@ -946,6 +1037,12 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
         ]
     else:
         out = ["each timed call follows an untimed call of itself (nothing donated; a sync after a sync)", ""]
+    if section.get("model") == "mlp":
+        out += [
+            f"every step computes its gradients: an MLP 64 → w → w → 10 on {section['batch']} digits "
+            "per replica (its cross-entropy's gradient), then the update",
+            "",
+        ]
     if section.get("split"):
         out += [
             "the transforms' steps run under split_local_steps=True (--split-local-steps); compile "
