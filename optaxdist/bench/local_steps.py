@@ -653,7 +653,8 @@ def measure_case(
     if case.hand_algorithm is not None:
         by_hand = harness.wrap(_on_data(case.hand_algorithm.step, gradients_of), donate=donate)
         algorithm_state = harness.place(harness.wrap(case.hand_algorithm.init)(inputs.params))
-        _check_hand_algorithm(case, harness, ours, by_hand, params, sync_state, algorithm_state, grads)
+        start_grads = harness.wrap(gradients_of)(params, grads)  # the model's gradients at the start
+        _check_hand_algorithm(case, harness, tx, split, params, sync_state, algorithm_state, start_grads)
         calls["hand_algorithm"] = (by_hand, (params, algorithm_state, grads))
     if donate:
         at = {"local": case.local_at, "sync": case.sync_at}
@@ -860,12 +861,16 @@ def _check_schedule(case: Case, step: Step, params, local_state, sync_state, gra
 
 
 def _check_hand_algorithm(
-    case: Case, harness: Harness, ours: Step, by_hand: Step, params, sync_state, hand_state, grads
+    case: Case, harness: Harness, tx: Any, split: bool, params, sync_state, hand_state, grads
 ) -> None:
-    """Two sync steps in a row of the hand-written algorithm give the parameters two of ours give
-    from the same start (anchors at the parameters, zero momenta), up to rounding: the second
+    """Two sync steps in a row of the hand-written algorithm give the parameters two of ``tx``'s
+    give from the same start (anchors at the parameters, zero momenta), up to rounding: the second
     starts from the outer state the first left, so the outer optimizer's settings count (from
-    zero momentum SlowMo's first step is the mean whatever its learning rate)."""
+    zero momentum SlowMo's first step is the mean whatever its learning rate). Both take the same
+    given ``grads``: a model's gradient at parameters that differ by rounding can differ by more
+    (a ReLU at its kink), and this checks the algorithms' arithmetic."""
+    ours = harness.wrap(_step(tx), split=split)
+    by_hand = harness.wrap(case.hand_algorithm.step)
     mine, theirs = (params, sync_state), (params, hand_state)
     for sync in range(2):
         mine = ours(*_copies(*mine, grads))
