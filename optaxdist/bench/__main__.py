@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         help="local-steps rows: the parameters' arrays per replica, square matrices of one size "
-        "(default 4; a model's layers make tens to hundreds)",
+        "(default 4; a model's layers make tens to hundreds; not with --local-model mlp)",
     )
     o.add_argument(
         "--local-model",

@@ -630,32 +630,32 @@ def measure_case(
     state = harness.wrap(tx.init)(inputs.params)
     total, fixed = state_bytes(state, harness.replicas)
 
-    params, grads = harness.place(inputs.params), harness.place(inputs.data)
+    params, data = harness.place(inputs.params), harness.place(inputs.data)
     local_state = harness.place(_at(state, case.local_at))
     sync_state = harness.place(_at(state, case.sync_at))
     plain_state = harness.place(harness.wrap(plain_tx.init)(inputs.params))
 
     t0 = time.perf_counter()
-    compiled = ours.lower(params, local_state, grads).compile()
+    compiled = ours.lower(params, local_state, data).compile()
     compile_s = time.perf_counter() - t0
     local_compile_s = local_compiled = None
     if split:  # compiled first, as the first local call would (timed: not yet in JAX's caches)
         t0 = time.perf_counter()
-        local_compiled = ours.lower_local(params, local_state, grads).compile()
+        local_compiled = ours.lower_local(params, local_state, data).compile()
         local_compile_s = time.perf_counter() - t0
-    first_sync_s = _check_schedule(case, ours, params, local_state, sync_state, grads)
+    first_sync_s = _check_schedule(case, ours, params, local_state, sync_state, data)
     calls = {
-        "local": (ours, (params, local_state, grads)),
-        "plain": (plain, (params, plain_state, grads)),
-        "sync": (ours, (params, sync_state, grads)),
-        **{k: (f, (params, plain_state, grads)) for k, f in hands.items()},
+        "local": (ours, (params, local_state, data)),
+        "plain": (plain, (params, plain_state, data)),
+        "sync": (ours, (params, sync_state, data)),
+        **{k: (f, (params, plain_state, data)) for k, f in hands.items()},
     }
     if case.hand_algorithm is not None:
         by_hand = harness.wrap(_on_data(case.hand_algorithm.step, gradients_of), donate=donate)
         algorithm_state = harness.place(harness.wrap(case.hand_algorithm.init)(inputs.params))
-        start_grads = harness.wrap(gradients_of)(params, grads)  # the model's gradients at the start
+        start_grads = harness.wrap(gradients_of)(params, data)  # the model's gradients at the start
         _check_hand_algorithm(case, harness, tx, split, params, sync_state, algorithm_state, start_grads)
-        calls["hand_algorithm"] = (by_hand, (params, algorithm_state, grads))
+        calls["hand_algorithm"] = (by_hand, (params, algorithm_state, data))
     if donate:
         at = {"local": case.local_at, "sync": case.sync_at}
 
@@ -675,8 +675,8 @@ def measure_case(
         samples = _time_after_itself(calls, repeats)
     if split and not ours.local_calls:  # gossip: every step ran a synchronization's program
         local_compile_s = local_compiled = None
-    hand_compiled = hands["hand_sync"].lower(params, plain_state, grads).compile()
-    plain_compiled = plain.lower(params, plain_state, grads).compile()
+    hand_compiled = hands["hand_sync"].lower(params, plain_state, data).compile()
+    plain_compiled = plain.lower(params, plain_state, data).compile()
     return {
         "transform": case.name,
         "variant": variant,
@@ -787,16 +787,16 @@ def _time_donated(
     samples: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(repeats + 1):  # the first round warms up
         for name, (fn, _) in calls.items():
-            params, state, grads = carried[name]
+            params, state, data = carried[name]
             state = jax.block_until_ready(reset(name, state, 1))
-            params, state = jax.block_until_ready(before[name](params, state, grads))
+            params, state = jax.block_until_ready(before[name](params, state, data))
             t = time.perf_counter()
             for _ in range(steps):
-                params, state = fn(params, state, grads)
+                params, state = fn(params, state, data)
             jax.block_until_ready((params, state))
             if i > 0:
                 samples[name].append((time.perf_counter() - t) / steps)
-            carried[name] = (params, state, grads)
+            carried[name] = (params, state, data)
     return samples, {name: state for name, (_, state, _) in carried.items()}
 
 
@@ -842,16 +842,16 @@ def _sync_events(case: Case, state: Any) -> int:
     return sum(t.collectives for t in counted)
 
 
-def _check_schedule(case: Case, step: Step, params, local_state, sync_state, grads) -> float:
+def _check_schedule(case: Case, step: Step, params, local_state, sync_state, data) -> float:
     """The two states are where they claim to be: the ledgers' event counts grow on the sync
     step and not on the local step (gossip: the global-average kind only). Returns the seconds of
     the sync step's call: the first call to run a synchronization (with ``split_local_steps``,
     the one that traces and compiles its program)."""
 
     before = _sync_events(case, local_state)
-    if _sync_events(case, step(*_copies(params, local_state, grads))[1]) != before:  # copies: donating
+    if _sync_events(case, step(*_copies(params, local_state, data))[1]) != before:  # copies: donating
         raise AssertionError(f"{case.name}: the 'local' step at {dict(case.local_at)} communicated")
-    args = _copies(params, sync_state, grads)
+    args = _copies(params, sync_state, data)
     t0 = time.perf_counter()
     synced = jax.block_until_ready(step(*args))
     seconds = time.perf_counter() - t0
