@@ -28,7 +28,7 @@ def main(harness_name: str, rounds: int = 200) -> None:
         "ours": harness.wrap(bench._step(tx), donate=True, split=True),
         "plain": bench.reference_step(harness, None, True),
     }
-    grads = harness.place(inputs.grads)
+    grads = harness.place(inputs.data)
     carried = {
         "ours": bench._copies(harness.place(inputs.params), harness.wrap(tx.init)(inputs.params)),
         "plain": bench._copies(

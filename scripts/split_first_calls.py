@@ -25,7 +25,7 @@ def main(harness_name: str, name: str, leaves: int = 200) -> None:
     inputs = bench.make_inputs(bench.default_params(8), 8, leaves=leaves)
     tx = case.build(8, nonfinite="ignore")
     step = harness.wrap(bench._step(tx), donate=True, split=True)
-    grads, params = harness.place(inputs.grads), harness.place(inputs.params)
+    grads, params = harness.place(inputs.data), harness.place(inputs.params)
     state = harness.wrap(tx.init)(inputs.params)
     calls = [("general", case.local_at)] + [("local", case.local_at)] * 2 + [("sync", case.sync_at)] * 3
     seconds = []

@@ -31,7 +31,7 @@ def main(harness_name: str, kind: str, repeats: int = 300) -> None:
     comm = od.AxisComm(od.REPLICA_AXIS)
     tx = od.diloco(bench.inner(), comm=comm, period=period, nonfinite="ignore", check_start=False)
     step = harness.wrap(bench._step(tx), donate=True, split=True)
-    grads = harness.place(inputs.grads)
+    grads = harness.place(inputs.data)
     params, state = bench._copies(harness.place(inputs.params), harness.wrap(tx.init)(inputs.params))
     for _ in range(4):
         params, state = jax.block_until_ready(step(params, state, grads))

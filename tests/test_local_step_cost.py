@@ -182,9 +182,25 @@ def test_uniform_unbatches_under_vmap_and_adds_nothing_on_a_mesh():
     assert np.asarray(od.simulate(lambda t: comm.uniform(t))(counters)).tolist() == [7] * N
 
 
+def test_all_finite_reads_every_element():
+    """The guard's check: a NaN or an infinity in any floating leaf (16-bit ones included) is not
+    finite; finite values are, even where their float32 sum would overflow; integer leaves, empty
+    leaves and an empty tree do not count."""
+    from optaxdist.transforms._checks import all_finite
+
+    big = jnp.full((4,), 3e38, jnp.float32)  # finite; its sum is not
+    assert bool(all_finite({"a": big, "b": jnp.ones((3,), jnp.bfloat16)}))
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        for bad in (jnp.nan, jnp.inf, -jnp.inf):
+            leaf = jnp.zeros((5,), dtype).at[3].set(bad)
+            assert not bool(all_finite({"ok": big, "bad": leaf})), (dtype, bad)
+    assert bool(all_finite({"n": jnp.arange(3), "e": jnp.zeros((0,), jnp.float32)}))
+    assert bool(all_finite({}))
+
+
 @pytest.mark.parametrize("where", ["simulate", "mesh"])
 def test_the_nonfinite_guard_selects_only_when_an_update_is_not_finite(where):
-    """The guard of ``nonfinite="skip"`` reads the update (a sum per leaf) on every step; its
+    """The guard of ``nonfinite="skip"`` reads the update (``all_finite``) on every step; its
     parameter-sized selects sit in a ``cond`` taken only when some replica's update is not finite."""
     from optaxdist.accounting import per_replica
     from optaxdist.transforms._checks import local_step

@@ -335,6 +335,10 @@ def _overhead_options(args: argparse.Namespace) -> tuple[list[str], dict]:
     local_steps["leaves"] = args.local_leaves
     if args.local_model not in MODELS:
         raise ValueError(f"--local-model {args.local_model!r}: one of {', '.join(MODELS)}")
+    if args.local_model == "mlp" and args.local_leaves != 4:
+        raise ValueError(
+            f"--local-leaves {args.local_leaves}: only with --local-model none (the MLP has its own)"
+        )
     local_steps["model"] = args.local_model
     if args.donate:
         local_steps["donate"] = True

@@ -94,7 +94,7 @@ STATE_ONLY = ("allreduce", "powersgd_r4", "topk_1pct_ef")  # state-bytes table o
 HARNESSES = ("simulate", "mesh")
 MODELS = ("none", "mlp")  # where a step's gradients come from: given, or an MLP on a batch
 BATCH = 32  # examples per replica in a step of model="mlp"
-DIGITS_FEATURES = 64
+DIGITS_FEATURES, DIGITS_CLASSES = 64, 10
 # Keyword arguments of the transforms per variant: "default" is what the issue's targets are
 # about; the others attribute the cost of the start check and of the non-finite guard.
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -423,7 +423,7 @@ def _step(tx: optax.GradientTransformation) -> Step:
 GradientsOf = Callable[[Params, Any], Params]
 
 
-def given(params: Params, grads: Params) -> Params:
+def given_gradients(params: Params, grads: Params) -> Params:
     """``model="none"``: a step's third argument is its gradients."""
     return grads
 
@@ -443,8 +443,8 @@ def mlp_gradients(width: int) -> GradientsOf:
 
 def _on_data(step: Step, gradients_of: GradientsOf) -> Step:
     """``step`` of ``(params, state, grads)`` as a step of ``(params, state, data)``, its
-    gradients ``gradients_of(params, data)`` (``given``: ``step`` itself)."""
-    if gradients_of is given:
+    gradients ``gradients_of(params, data)`` (``given_gradients``: ``step`` itself)."""
+    if gradients_of is given_gradients:
         return step
 
     def run(params, state, data):
@@ -471,7 +471,7 @@ def reference_step(
     collective: Callable[[Params], Params] | None,
     donate: bool = False,
     on_grads: Callable[[Params], Params] | None = None,
-    gradients_of: GradientsOf = given,
+    gradients_of: GradientsOf = given_gradients,
 ) -> Step:
     """The plain optax step (``collective=None``) or plain + a hand-written collective (after
     ``on_grads`` on the gradients), jitted once per harness and model: every row of a harness
@@ -533,7 +533,7 @@ class Inputs:
 def mlp_width(n_params: int) -> int:
     """The hidden width ``w`` whose MLP 64 → w → w → 10 has the parameter count nearest ``n_params``
     (``w² + 76 w + 10`` parameters)."""
-    count = lambda w: w * w + (DIGITS_FEATURES + 12) * w + 10  # noqa: E731
+    count = lambda w: w * w + (DIGITS_FEATURES + 2 + DIGITS_CLASSES) * w + DIGITS_CLASSES  # noqa: E731
     w = max(1, math.isqrt(max(n_params, 0)))
     while w > 1 and count(w) > n_params:
         w -= 1
@@ -552,10 +552,8 @@ def make_inputs(n_params: int, replicas: int, seed: int = 0, leaves: int = 4, mo
         params = optaxdist.replicate(params, replicas)
         digits = load_dataset("digits")
         picks = np.random.default_rng(seed).integers(0, len(digits.y_train), (replicas, BATCH))
-        data, gradients_of = (
-            (jnp.asarray(digits.x_train[picks]), jnp.asarray(digits.y_train[picks])),
-            mlp_gradients(width),
-        )
+        data = (jnp.asarray(digits.x_train[picks]), jnp.asarray(digits.y_train[picks]))
+        gradients_of = mlp_gradients(width)
     else:
         params = optaxdist.replicate(make_params(n_params, leaves), replicas)
         keys = jax.random.split(jax.random.key(seed), len(params))
@@ -563,7 +561,7 @@ def make_inputs(n_params: int, replicas: int, seed: int = 0, leaves: int = 4, mo
             k: jax.random.normal(kk, v.shape, v.dtype)
             for (k, v), kk in zip(params.items(), keys, strict=True)
         }
-        gradients_of = given
+        gradients_of = given_gradients
     parameters = sum(int(x[0].size) for x in jax.tree.leaves(params))
     return Inputs(params, data, gradients_of, parameters, 4 * parameters, model)
 
@@ -654,7 +652,8 @@ def measure_case(
         by_hand = harness.wrap(_on_data(case.hand_algorithm.step, gradients_of), donate=donate)
         algorithm_state = harness.place(harness.wrap(case.hand_algorithm.init)(inputs.params))
         start_grads = harness.wrap(gradients_of)(params, data)  # the model's gradients at the start
-        _check_hand_algorithm(case, harness, tx, split, params, sync_state, algorithm_state, start_grads)
+        wrap = {"donate": donate, "split": split}
+        _check_hand_algorithm(case, harness, tx, wrap, params, sync_state, algorithm_state, start_grads)
         calls["hand_algorithm"] = (by_hand, (params, algorithm_state, data))
     if donate:
         at = {"local": case.local_at, "sync": case.sync_at}
@@ -713,7 +712,7 @@ def measure_case(
 
 
 def predecessors(
-    case: Case, harness: Harness, ours: Step, donate: bool, gradients_of: GradientsOf = given
+    case: Case, harness: Harness, ours: Step, donate: bool, gradients_of: GradientsOf = given_gradients
 ) -> dict[str, Step]:
     """Row → the step a training loop makes before that row's step (``_time_donated``'s
     ``before``): ours, its own step (from one step earlier in its schedule: the step before a
@@ -861,16 +860,17 @@ def _check_schedule(case: Case, step: Step, params, local_state, sync_state, dat
 
 
 def _check_hand_algorithm(
-    case: Case, harness: Harness, tx: Any, split: bool, params, sync_state, hand_state, grads
+    case: Case, harness: Harness, tx: Any, wrap: Mapping[str, bool], params, sync_state, hand_state, grads
 ) -> None:
     """Two sync steps in a row of the hand-written algorithm give the parameters two of ``tx``'s
     give from the same start (anchors at the parameters, zero momenta), up to rounding: the second
     starts from the outer state the first left, so the outer optimizer's settings count (from
     zero momentum SlowMo's first step is the mean whatever its learning rate). Both take the same
     given ``grads``: a model's gradient at parameters that differ by rounding can differ by more
-    (a ReLU at its kink), and this checks the algorithms' arithmetic."""
-    ours = harness.wrap(_step(tx), split=split)
-    by_hand = harness.wrap(case.hand_algorithm.step)
+    (a ReLU at its kink), and this checks the algorithms' arithmetic. ``wrap``: the timed step's
+    ``donate`` and ``split``."""
+    ours = harness.wrap(_step(tx), **wrap)
+    by_hand = harness.wrap(case.hand_algorithm.step, donate=wrap["donate"])
     mine, theirs = (params, sync_state), (params, hand_state)
     for sync in range(2):
         mine = ours(*_copies(*mine, grads))
@@ -930,6 +930,10 @@ def run_local_steps(
     """
     if split and not donate:
         raise ValueError("split=True (--split-local-steps) needs donate=True (--donate)")
+    if model == "mlp" and leaves != 4:
+        raise ValueError(
+            f"leaves={leaves} (--local-leaves): the MLP has its own arrays; only with model='none'"
+        )
     unknown = [t for t in transforms if t not in TRANSFORMS] + [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(
@@ -983,7 +987,7 @@ def run_local_steps(
         "sync_step_counter": {"default": SYNC_T, "daso": PERIOD},
         "donate": donate,
         "split": split,
-        "leaves": leaves,
+        "leaves": leaves if model == "none" else None,
         "model": model,
         "batch": BATCH if model == "mlp" else None,
         "results": rows,

@@ -39,8 +39,9 @@ def all_finite(tree) -> jax.Array:
     XLA:CPU writes this one's boolean array out before reducing it. But where the update comes
     from a model's backward pass in the same program, XLA:CPU turned each sum into a library
     reduction whose constant operands it wrote out at the parameters' size: a guarded local step
-    of an MLP at 512 × 10k replicas under ``simulate`` took 1.5–2.3× a plain step with sums,
-    1.06–1.16× with this ("The non-finite guard's check" in ``docs/benchmarks.md``).
+    of an MLP at 512 × 10k replicas under ``simulate`` took 1.5–2.1× a plain step with sums and
+    1.06–1.16× with this (``local_sgd``, the DiLoCo family and DASO; "The non-finite guard's
+    check" in ``docs/benchmarks.md``).
     """
     checks = [jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return jnp.stack(checks).all() if checks else jnp.asarray(True)
