@@ -532,7 +532,7 @@ def test_overhead_local_steps_with_a_model(tmp_path, capsys):
     the node, gossip's is the ring; a step given a batch where it expects gradients fails to
     trace). Bad values are named."""
     args = "--suite overhead --rows local-steps --transforms diloco,daso,decentralized_sgd --replica-counts 8"
-    args += " --local-params 1K --repeats 1 --quiet --donate --split-local-steps"
+    args += " --local-params 1K --repeats 1 --quiet"
     assert main(["bench", *args.split(), "--local-model", "cnn", "--out", ""]) == 2
     assert "--local-model 'cnn': one of none, mlp" in capsys.readouterr().err
     assert main(["bench", *args.split(), "--local-model", "mlp", "--local-leaves", "6", "--out", ""]) == 2
@@ -547,7 +547,7 @@ def test_overhead_local_steps_with_a_model(tmp_path, capsys):
         assert (r["model"], r["leaves"]) == ("mlp", 6)
         assert r["parameters"] == 11 * 11 + 76 * 11 + 10 == 967  # 64 → 11 → 11 → 10
     assert len(rows["diloco"]["samples_s"]["hand_algorithm"]) == 1
-    assert len(rows["decentralized_sgd"]["samples_s"]["loop_hand_local"]) == 1
+    assert len(rows["decentralized_sgd"]["samples_s"]["hand_local"]) == 1
 
 
 def test_a_model_step_descends_the_models_gradient():
