@@ -443,9 +443,7 @@ def mlp_gradients(width: int) -> GradientsOf:
 
 def _on_data(step: Step, gradients_of: GradientsOf) -> Step:
     """``step`` of ``(params, state, grads)`` as a step of ``(params, state, data)``, its
-    gradients ``gradients_of(params, data)`` (``given_gradients``: ``step`` itself)."""
-    if gradients_of is given_gradients:
-        return step
+    gradients ``gradients_of(params, data)``."""
 
     def run(params, state, data):
         return step(params, state, gradients_of(params, data))
