@@ -572,6 +572,35 @@ def test_a_model_step_descends_the_models_gradient():
             np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("harness_name", ["mesh", "simulate"])
+def test_the_hand_written_daso_sync_sets_the_bits_daso_does(harness_name):
+    """The reference of DASO's sync row computes what DASO's blocking sync computes, bit for bit:
+    the node's gradient mean, the local step, the bf16 sum over the nodes (on the CPU mesh by
+    hand, as the bf16 bits, as DASO sends it), its mean, the broadcast within the node. The
+    replicas start apart, so every sum matters."""
+    case = local_steps.cases()["daso"]
+    harness = local_steps.make_harness(harness_name, 8, hierarchical=True)
+    inputs = local_steps.make_inputs(1000, 8, model="mlp")
+    noise = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: x + 0.01 * noise.standard_normal(x.shape).astype(x.dtype), inputs.params)
+    params, data = harness.place(params), harness.place(inputs.data)
+    tx = case.build(8)
+    ours = harness.wrap(local_steps._on_data(local_steps._step(tx), inputs.gradients_of))
+    gradients_of = inputs.gradients_of
+    hand = local_steps.reference_step(harness, case.hand_sync, False, case.hand_sync_grads, gradients_of)
+    plain = local_steps.reference_step(harness, None, gradients_of=gradients_of)
+    state = harness.place(local_steps._at(harness.wrap(tx.init)(inputs.params), case.sync_at))
+    synced, _ = ours(params, state, data)
+    plain_state = harness.place(harness.wrap(local_steps.inner().init)(inputs.params))
+    by_hand, _ = hand(params, plain_state, data)
+    stepped, _ = plain(params, plain_state, data)
+    for a, b, c in zip(*map(jax.tree.leaves, (synced, by_hand, stepped)), strict=True):
+        a, b, c = np.asarray(a), np.asarray(b), np.asarray(c)
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert all(np.array_equal(a[r], a[0]) for r in range(8))  # a global average
+        assert not np.array_equal(a, c)  # not the local step's parameters
+
+
 def test_each_timed_step_follows_the_step_a_loop_makes_before_it():
     """``_time_donated`` times each row's step right after an untimed call of its ``before`` step,
     on the state that call returned (ours: from one step earlier in its schedule), never right
