@@ -27,8 +27,9 @@ device per replica) and one number of replicas, the row reports:
   gossip step, also compared with plain + the same ring exchange written with ``lax.ppermute``.
 * **sync step**: the same jitted step with the counter at a sync position, against plain + the
   same collective written by hand (``lax.pmean`` of the new parameters; for Streaming DiLoCo of
-  the syncing fragment; for DASO's blocking sync a ``bfloat16`` ``psum`` over the nodes and a
-  broadcast within the node) — target ratio ≤ 1.1. Where the sync step does more than that
+  the syncing fragment; for DASO's blocking sync a ``bfloat16`` sum over the nodes, sent as
+  ``bfloat16`` on every backend (``_bf16_sum_over_nodes``), and a broadcast within the node: it
+  sets the bits DASO sets) — target ratio ≤ 1.1. Where the sync step does more than that
   collective (DiLoCo, SlowMo and Streaming DiLoCo take an outer optimizer step on their anchors),
   also against the **hand-written algorithm** (``OuterByHand``: plain + ``pmean`` + the same
   outer step, no schedule, ledger or guard): what the engine adds to the algorithm's own work.
