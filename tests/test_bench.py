@@ -584,9 +584,8 @@ def test_the_hand_written_daso_sync_sets_the_bits_daso_does(harness_name):
     noise = np.random.default_rng(0)
     params = jax.tree.map(lambda x: x + 0.01 * noise.standard_normal(x.shape).astype(x.dtype), inputs.params)
     params, data = harness.place(params), harness.place(inputs.data)
-    tx = case.build(8)
-    ours = harness.wrap(local_steps._on_data(local_steps._step(tx), inputs.gradients_of))
-    gradients_of = inputs.gradients_of
+    tx, gradients_of = case.build(8), inputs.gradients_of
+    ours = harness.wrap(local_steps._on_data(local_steps._step(tx), gradients_of))
     hand = local_steps.reference_step(harness, case.hand_sync, False, case.hand_sync_grads, gradients_of)
     plain = local_steps.reference_step(harness, None, gradients_of=gradients_of)
     state = harness.place(local_steps._at(harness.wrap(tx.init)(inputs.params), case.sync_at))
