@@ -572,12 +572,17 @@ def test_a_model_step_descends_the_models_gradient():
             np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("harness_name", ["mesh", "simulate"])
-def test_the_hand_written_daso_sync_sets_the_bits_daso_does(harness_name):
+@pytest.mark.parametrize(
+    ("harness_name", "shape"), [("mesh", (2, 4)), ("mesh", (4, 2)), ("simulate", (2, 4))]
+)
+def test_the_hand_written_daso_sync_sets_the_bits_daso_does(harness_name, shape, monkeypatch):
     """The reference of DASO's sync row computes what DASO's blocking sync computes, bit for bit:
     the node's gradient mean, the local step, the bf16 sum over the nodes (on the CPU mesh by
-    hand, as the bf16 bits, as DASO sends it), its mean, the broadcast within the node. The
-    replicas start apart, so every sum matters."""
+    hand, as the bf16 bits, as DASO sends it: an all-to-all, not XLA's float32 all-reduce), its
+    mean, the broadcast within the node. The replicas start apart, so every sum matters; with 4
+    nodes so does the order of the sum. (Under ``simulate`` the reference is XLA's ``psum``,
+    which rounds after each add: the bits are DASO's with 2 nodes.)"""
+    monkeypatch.setattr(local_steps, "hierarchy_shape", lambda replicas: shape)
     case = local_steps.cases()["daso"]
     harness = local_steps.make_harness(harness_name, 8, hierarchical=True)
     inputs = local_steps.make_inputs(1000, 8, model="mlp")
@@ -598,6 +603,8 @@ def test_the_hand_written_daso_sync_sets_the_bits_daso_does(harness_name):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
         assert all(np.array_equal(a[r], a[0]) for r in range(8))  # a global average
         assert not np.array_equal(a, c)  # not the local step's parameters
+    if harness_name == "mesh":
+        assert "all-to-all(" in hand.lower(params, plain_state, data).compile().as_text()
 
 
 def test_each_timed_step_follows_the_step_a_loop_makes_before_it():

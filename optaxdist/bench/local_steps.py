@@ -28,8 +28,8 @@ device per replica) and one number of replicas, the row reports:
 * **sync step**: the same jitted step with the counter at a sync position, against plain + the
   same collective written by hand (``lax.pmean`` of the new parameters; for Streaming DiLoCo of
   the syncing fragment; for DASO's blocking sync a ``bfloat16`` sum over the nodes, sent as
-  ``bfloat16`` on every backend (``_bf16_sum_over_nodes``), and a broadcast within the node: it
-  sets the bits DASO sets) — target ratio ≤ 1.1. Where the sync step does more than that
+  ``bfloat16`` on a mesh of any backend (``_bf16_sum_over_nodes``), and a broadcast within the
+  node) — target ratio ≤ 1.1. Where the sync step does more than that
   collective (DiLoCo, SlowMo and Streaming DiLoCo take an outer optimizer step on their anchors),
   also against the **hand-written algorithm** (``OuterByHand``: plain + ``pmean`` + the same
   outer step, no schedule, ledger or guard): what the engine adds to the algorithm's own work.
@@ -224,10 +224,12 @@ def _node_mean(grads: Params) -> Params:
 def _bf16_sum_over_nodes(leaves: list[jax.Array]) -> list[jax.Array]:
     """Each leaf's ``bfloat16`` sum over the nodes, sending ``bfloat16``. A ``lax.psum`` does that
     where the backend all-reduces ``bfloat16`` as such (GPUs), and under ``simulate``, where
-    nothing crosses devices. Between the devices of an XLA:CPU mesh it runs in ``float32``, twice
-    the bytes; there, as DASO does: the leaves concatenated, an all-to-all of the 16-bit patterns
-    (each node gets its block of every node's), the block summed in ``float32`` node by node and
-    rounded once, and an all-gather of the blocks' bits."""
+    nothing crosses devices (there it rounds after each add: with more than 2 nodes its last bits
+    may differ from DASO's, which adds in ``float32`` and rounds once). Between the devices of an
+    XLA:CPU mesh it runs in ``float32``, twice the bytes; there, as DASO does: the leaves
+    concatenated, an all-to-all of the 16-bit patterns (each node gets its block of every
+    node's), the block summed in ``float32`` node by node and rounded once, and an all-gather of
+    the blocks' bits."""
     if jax.default_backend() != "cpu" or NODE not in manual_axes():
         return [jax.lax.psum(x.astype(jnp.bfloat16), NODE) for x in leaves]
     nodes = jax.lax.axis_size(NODE)
