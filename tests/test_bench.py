@@ -548,6 +548,9 @@ def test_overhead_local_steps_with_a_model(tmp_path, capsys):
         assert r["parameters"] == 11 * 11 + 76 * 11 + 10 == 967  # 64 → 11 → 11 → 10
     assert len(rows["diloco"]["samples_s"]["hand_algorithm"]) == 1
     assert len(rows["decentralized_sgd"]["samples_s"]["hand_local"]) == 1
+    states = {r["transform"]: r for r in section["state_bytes"]}
+    assert {r["parameters"] for r in states.values()} == {967}  # the model's, not the flat arrays'
+    assert states["diloco"]["param_bytes"] == 967 * 4 == rows["diloco"]["param_bytes"]
 
 
 def test_a_model_step_descends_the_models_gradient():

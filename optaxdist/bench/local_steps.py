@@ -910,9 +910,12 @@ def _check_hand_algorithm(
                 )
 
 
-def measure_state_bytes(n_params: int, replicas: int = 8) -> list[dict[str, Any]]:
-    """State bytes per parameter byte of every transform (shapes only: nothing is computed)."""
-    inputs = make_inputs(n_params, replicas)
+def measure_state_bytes(
+    n_params: int, replicas: int = 8, *, leaves: int = 4, model: str = "none"
+) -> list[dict[str, Any]]:
+    """State bytes per parameter byte of every transform, on the parameters of ``make_inputs``
+    (shapes only: nothing is computed)."""
+    inputs = make_inputs(n_params, replicas, leaves=leaves, model=model)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), inputs.params)
     rows = []
     for case in cases().values():
@@ -1003,7 +1006,9 @@ def run_local_steps(
                             split=split,
                         )
                     )
-    state_table = [row for size in sizes.values() for row in measure_state_bytes(size)]
+    state_table = [
+        row for size in sizes.values() for row in measure_state_bytes(size, leaves=leaves, model=model)
+    ]
     return {
         "period": PERIOD,
         "platform": jax.default_backend(),
