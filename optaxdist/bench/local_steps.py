@@ -74,6 +74,7 @@ from optaxdist._compat import manual_axes
 from optaxdist.bench import models
 from optaxdist.bench.data import load_dataset
 from optaxdist.bench.overhead import hlo_summary, make_params
+from optaxdist.comm.axis import all_reduce_widens
 
 PERIOD = 30
 LOCAL_T = 5  # a step counter value at a non-sync position of every schedule below
@@ -230,7 +231,7 @@ def _bf16_sum_over_nodes(leaves: list[jax.Array]) -> list[jax.Array]:
     concatenated, an all-to-all of the 16-bit patterns (each node gets its block of every
     node's), the block summed in ``float32`` node by node and rounded once, and an all-gather of
     the blocks' bits."""
-    if jax.default_backend() != "cpu" or NODE not in manual_axes():
+    if not all_reduce_widens(jnp.bfloat16) or NODE not in manual_axes():
         return [jax.lax.psum(x.astype(jnp.bfloat16), NODE) for x in leaves]
     nodes = jax.lax.axis_size(NODE)
     flat = jnp.concatenate([x.astype(jnp.bfloat16).reshape(-1) for x in leaves])

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from optaxdist._compat import all_gather_invariant, manual_axes, pcast_varying
 from optaxdist.comm.base import Communicator, sum_in_member_order
+
+
+def all_reduce_widens(dtype: Any) -> bool:
+    """Whether the default backend's all-reduce between devices runs ``dtype`` wider than it is:
+    XLA:CPU runs every collective on bfloat16 in float32, and on 8-bit floats in float16 (float16
+    stays float16)."""
+    dtype = jnp.dtype(dtype)
+    narrow = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 2 and dtype != jnp.float16
+    return narrow and jax.default_backend() == "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +97,8 @@ class AxisComm(Communicator):
         return jax.lax.psum(pcast_varying(x, self.axes), self.axis_name)
 
     def _sums_in_two_phases(self, dtype) -> bool:
-        """XLA:CPU runs every collective on bfloat16 in float32 (and on 8-bit floats in float16;
-        float16 stays float16): such sums go as a reduce-scatter and an all-gather of the bits."""
-        dtype = jnp.dtype(dtype)
-        narrow = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize <= 2 and dtype != jnp.float16
-        return narrow and jax.default_backend() == "cpu"
+        """Sums the backend would widen go as a reduce-scatter and an all-gather of the bits."""
+        return all_reduce_widens(dtype)
 
     def _narrow_float_psum_scatter(self, x):
         """Member ``i`` sums block ``i`` of every member's ``x`` (an all-to-all of the bits) in
