@@ -29,10 +29,10 @@ device per replica) and one number of replicas, the row reports:
   same collective written by hand (``lax.pmean`` of the new parameters; for Streaming DiLoCo of
   the syncing fragment; for DASO's blocking sync a ``bfloat16`` sum over the nodes, sent as
   ``bfloat16`` on a mesh of any backend (``_bf16_sum_over_nodes``), and a broadcast within the
-  node) — target ratio ≤ 1.1. Where the sync step does more than that
-  collective (DiLoCo, SlowMo and Streaming DiLoCo take an outer optimizer step on their anchors),
-  also against the **hand-written algorithm** (``OuterByHand``: plain + ``pmean`` + the same
-  outer step, no schedule, ledger or guard): what the engine adds to the algorithm's own work.
+  node) — target ratio ≤ 1.1. Where the sync step does more than that collective (DiLoCo,
+  SlowMo and Streaming DiLoCo take an outer optimizer step on their anchors), also against the
+  **hand-written algorithm** (``OuterByHand``: plain + ``pmean`` + the same outer step, no
+  schedule, ledger or guard): what the engine adds to the algorithm's own work.
 * **compile**: seconds of ``.lower(...).compile()`` of the transform's step; with
   ``--split-local-steps`` also of its local program, and the seconds of the first call that runs
   a synchronization (it traces and compiles that synchronization's program).
