@@ -68,6 +68,20 @@ def test_broadcast_is_bit_exact_with_nonfinite_values_elsewhere(harness):
     np.testing.assert_array_equal(out["b"], np.broadcast_to(x[0] > 2, x.shape))
 
 
+def test_broadcast_from_a_root_that_is_state(harness):
+    """A traced root (DASO's sending group, part of its state) sends that member's bits, in one
+    program for every root; out of the group it is clamped, as ``lax.switch`` clamps its index."""
+    n, comm = harness.n, harness.comm
+    x = np.full((n, 4), np.nan, np.float32)
+    x[:, 0], x[:, 1], x[-1, 2], x[0, 3] = np.arange(n), -0.0, 3.5e-39, np.inf
+    roots = {"last": n - 1, "first": 0, "above": n + 3, "below": -2}
+    stacked = {k: np.full(n, r, np.int32) for k, r in roots.items()}
+    out = harness.run(lambda v, r: {k: comm.broadcast(v, r[k]) for k in roots}, x, stacked)
+    for k, r in roots.items():
+        want = np.broadcast_to(x[min(max(r, 0), n - 1)], x.shape)
+        np.testing.assert_array_equal(out[k].view(np.uint32), want.view(np.uint32), err_msg=k)
+
+
 def test_replicas_identical_and_broadcast_from_root(harness):
     n, comm = harness.n, harness.comm
     x = np.random.default_rng(0).normal(size=(n, 5)).astype(np.float32)
@@ -130,8 +144,9 @@ def test_bad_arguments():
         f([(0, 2)])
     with pytest.raises(ValueError, match="at most once"):
         f([(0, 1), (1, 1)])
-    with pytest.raises(ValueError, match="root="):
-        jax.vmap(lambda v: comm.broadcast(v, 5), axis_name="replica")(jnp.ones(2))
+    for root in (5, np.int32(-1)):
+        with pytest.raises(ValueError, match="root="):
+            jax.vmap(lambda v, r=root: comm.broadcast(v, r), axis_name="replica")(jnp.ones(2))
     with pytest.raises(ValueError, match="op="):
         jax.vmap(lambda v: comm.agree(v > 0, op="most"), axis_name="replica")(jnp.ones(2))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -233,10 +234,13 @@ class Communicator(abc.ABC):
             lambda x: self._permute(_cast(jnp.asarray(x), dt), perm).astype(jnp.asarray(x).dtype), tree
         )
 
-    def broadcast(self, tree: PyTree, root: int = 0) -> PyTree:
-        """Member ``root``'s value on every member, bit-exact whatever the others hold (NaN, Inf)."""
-        if not 0 <= root < self.size:
-            raise ValueError(f"root={root} is out of range for a group of size {self.size}")
+    def broadcast(self, tree: PyTree, root: int | jax.Array = 0) -> PyTree:
+        """Member ``root``'s value on every member, bit-exact whatever the others hold (NaN, Inf).
+
+        ``root`` is an int, or an int32 scalar that is the same on every member (state: DASO's
+        sending group), clamped into the group as ``lax.switch`` clamps its index. Either way
+        one program: a sum of the root's bit patterns and the others' zeros."""
+        root = self._root(root)
         is_root = self.index() == root
 
         def one(x):
@@ -251,6 +255,15 @@ class Communicator(abc.ABC):
             return self._psum(jnp.where(is_root, x, jnp.zeros_like(x)))
 
         return jax.tree.map(one, tree)
+
+    def _root(self, root: int | jax.Array) -> int | jax.Array:
+        """A broadcast's root: an int in the group (else ``ValueError``), or a traced one clamped."""
+        if not isinstance(root, jax.Array):  # a Python or NumPy int
+            root = operator.index(root)
+            if not 0 <= root < self.size:
+                raise ValueError(f"root={root} is out of range for a group of size {self.size}")
+            return root
+        return jnp.clip(jnp.asarray(root, jnp.int32), 0, self.size - 1)
 
     def agree(self, pred: jax.Array, *, op: Literal["any", "all"] = "any") -> jax.Array:
         """Make a boolean identical on every member: true if it holds on any (or all) members."""

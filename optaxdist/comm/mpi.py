@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -112,10 +113,12 @@ class MpiComm(Communicator):
         self._check_single_device(x)
         return _from_wire(mpi4jax.alltoall(_to_wire(x), comm=self.comm), x.dtype)
 
-    def broadcast(self, tree, root: int = 0):
+    def broadcast(self, tree, root: int | jax.Array = 0):
         _, mpi4jax = _mpi()
-        if not 0 <= root < self.size:
-            raise ValueError(f"root={root} is out of range for a group of size {self.size}")
+        root = self._root(root)
+        if isinstance(root, jax.Array):  # MPI_Bcast takes its root as a number: a branch per root
+            branches = [functools.partial(self.broadcast, root=r) for r in range(self.size)]
+            return jax.lax.switch(root, branches, tree)
 
         def one(x):
             x = jnp.asarray(x)

@@ -700,10 +700,7 @@ def daso(
         def broadcast_from(tree, root, led):
             if G == 1:
                 return tree, led
-            branches = [functools.partial(local_comm.broadcast, root=r) for r in range(G)]
-            return jax.lax.switch(root, branches, tree), led.record(
-                kind_name("broadcast", params, scope="local")
-            )
+            return local_comm.broadcast(tree, root), led.record(kind_name("broadcast", params, scope="local"))
 
         def divide(total, denom, is_low, p):
             """``total / denom`` in the send's wire dtype (Heat divides in the buffer dtype)."""
