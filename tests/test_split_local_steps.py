@@ -453,8 +453,8 @@ def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
     sets (a plateau here). The epoch's last batch runs the general program; every other batch
     the program of what it does: a local step alone, after a node's gradient average, with a
     send, a merge or a blocking average. They compute the general program's numbers (bit for
-    bit here: no product rounds), and the local step's program has no conditional and no
-    collective."""
+    bit here: no product rounds). The local step's program has no conditional and no
+    collective, and the others no conditional."""
     from optaxdist.parallel import split as split_module
 
     nodes, per_node, batches, epochs = 2, 2, 12, 4
@@ -504,6 +504,9 @@ def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
     assert reads == [8] * epochs  # the control, in one read: at the second call, after each epoch's end
     compiled = split.local_program.lower(params, state, grads[0], losses[0]).compile().as_text()
     assert "conditional(" not in compiled and "all-reduce(" not in compiled
+    # nor has any batch's program: the broadcast within the node takes its root (state) traced
+    for program in split._syncs.values():
+        assert "conditional(" not in program.lower(params, state, grads[0], losses[0]).compile().as_text()
 
 
 def test_daso_sends_bfloat16_parameters_as_the_general_program_rounds_them():
