@@ -76,10 +76,26 @@ def test_broadcast_from_a_root_that_is_state(harness):
     x[:, 0], x[:, 1], x[-1, 2], x[0, 3] = np.arange(n), -0.0, 3.5e-39, np.inf
     roots = {"last": n - 1, "first": 0, "above": n + 3, "below": -2}
     stacked = {k: np.full(n, r, np.int32) for k, r in roots.items()}
-    out = harness.run(lambda v, r: {k: comm.broadcast(v, r[k]) for k in roots}, x, stacked)
+
+    def step(v, r):
+        tree = {"f": v, "bf16": v.astype(jnp.bfloat16), "b": v > 2}
+        return {k: comm.broadcast(tree, r[k]) for k in roots}
+
+    out = harness.run(step, x, stacked)
+    as_bf16 = np.asarray(jnp.asarray(x).astype(jnp.bfloat16))
     for k, r in roots.items():
-        want = np.broadcast_to(x[min(max(r, 0), n - 1)], x.shape)
-        np.testing.assert_array_equal(out[k].view(np.uint32), want.view(np.uint32), err_msg=k)
+        src = min(max(r, 0), n - 1)
+        got = out[k]
+        np.testing.assert_array_equal(
+            got["f"].view(np.uint32), np.broadcast_to(x[src], x.shape).view(np.uint32)
+        )
+        np.testing.assert_array_equal(
+            got["bf16"].view(np.uint16), np.broadcast_to(as_bf16[src], x.shape).view(np.uint16)
+        )
+        np.testing.assert_array_equal(got["b"], np.broadcast_to(x[src] > 2, x.shape), err_msg=k)
+    if isinstance(comm, od.MpiComm):  # its clear error under vmap comes before the roots' branches
+        with pytest.raises(RuntimeError, match="inside jax.vmap"):
+            jax.vmap(lambda v, r: comm.broadcast(v, r))(jnp.ones(2), jnp.zeros(2, jnp.int32))
 
 
 def test_replicas_identical_and_broadcast_from_root(harness):
@@ -144,9 +160,14 @@ def test_bad_arguments():
         f([(0, 2)])
     with pytest.raises(ValueError, match="at most once"):
         f([(0, 1), (1, 1)])
-    for root in (5, np.int32(-1)):
+    for root in (5, np.int32(-1), jnp.int32(2)):  # ints and concrete arrays are checked
         with pytest.raises(ValueError, match="root="):
             jax.vmap(lambda v, r=root: comm.broadcast(v, r), axis_name="replica")(jnp.ones(2))
+    for root in (jnp.float32(1), jnp.zeros(1, jnp.int32)):  # a traced root: an integer scalar
+        with pytest.raises(TypeError, match="integer scalar"):
+            jax.jit(jax.vmap(lambda v, r: comm.broadcast(v, r), (0, None), axis_name="replica"))(
+                jnp.ones(2), root
+            )
     with pytest.raises(ValueError, match="op="):
         jax.vmap(lambda v: comm.agree(v > 0, op="most"), axis_name="replica")(jnp.ones(2))
 

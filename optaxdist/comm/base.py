@@ -237,9 +237,12 @@ class Communicator(abc.ABC):
     def broadcast(self, tree: PyTree, root: int | jax.Array = 0) -> PyTree:
         """Member ``root``'s value on every member, bit-exact whatever the others hold (NaN, Inf).
 
-        ``root`` is an int, or an int32 scalar that is the same on every member (state: DASO's
-        sending group), clamped into the group as ``lax.switch`` clamps its index. Either way
-        one program: a sum of the root's bit patterns and the others' zeros."""
+        ``root`` is an int (checked against ``size``), or a traced integer scalar that is the
+        same on every member (state: DASO's sending group), clamped into the group as
+        ``lax.switch`` clamps its index. Either way one program: a sum of the root's bit
+        patterns and the others' zeros. Under ``shard_map`` a traced root's type counts: a root
+        that varies over an axis outside the group (state on a two-level mesh) makes the result
+        vary over it too, where an int root's result is invariant."""
         root = self._root(root)
         is_root = self.index() == root
 
@@ -257,13 +260,16 @@ class Communicator(abc.ABC):
         return jax.tree.map(one, tree)
 
     def _root(self, root: int | jax.Array) -> int | jax.Array:
-        """A broadcast's root: an int in the group (else ``ValueError``), or a traced one clamped."""
-        if not isinstance(root, jax.Array):  # a Python or NumPy int
+        """A broadcast's root: an int in the group (else ``ValueError``; a concrete array too), or a
+        traced integer scalar (else ``TypeError``), clamped."""
+        if not isinstance(root, jax.core.Tracer):  # a Python or NumPy int, a concrete array
             root = operator.index(root)
             if not 0 <= root < self.size:
                 raise ValueError(f"root={root} is out of range for a group of size {self.size}")
             return root
-        return jnp.clip(jnp.asarray(root, jnp.int32), 0, self.size - 1)
+        if jnp.ndim(root) != 0 or not jnp.issubdtype(root.dtype, jnp.integer):
+            raise TypeError(f"a traced broadcast root must be an integer scalar, got {jax.typeof(root)}")
+        return jnp.clip(root.astype(jnp.int32), 0, self.size - 1)
 
     def agree(self, pred: jax.Array, *, op: Literal["any", "all"] = "any") -> jax.Array:
         """Make a boolean identical on every member: true if it holds on any (or all) members."""

@@ -117,6 +117,8 @@ class MpiComm(Communicator):
         _, mpi4jax = _mpi()
         root = self._root(root)
         if isinstance(root, jax.Array):  # MPI_Bcast takes its root as a number: a branch per root
+            for x in jax.tree.leaves(tree):
+                self._check_single_device(x)  # its clear error before the branches' traces
             branches = [functools.partial(self.broadcast, root=r) for r in range(self.size)]
             return jax.lax.switch(root, branches, tree)
 
