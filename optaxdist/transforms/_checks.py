@@ -184,6 +184,7 @@ def local_step(
     uniform: Callable[[Any], Any],
     vary: Callable[[Any], Any],
     check_state: bool = False,
+    recompute: bool = True,
     **extra,
 ) -> tuple[optax.Updates, optax.OptState]:
     """``inner.update`` on this replica, under a non-finite policy (``nonfinite=``):
@@ -206,9 +207,10 @@ def local_step(
       collective that ran still sent its bytes). Cost: one reading pass over the update (and the
       state's arrays; see ``all_finite``); the select of the update and the inner
       state runs in a ``lax.cond`` only on a step where some replica is not finite. In the
-      programs of fixed branches of ``split_local_steps``: selects on every step, and the update is
-      computed a second time instead of written and read back (unless the inner update
-      communicates), so the check reads the gradients and the state once more.
+      programs of fixed branches of ``split_local_steps``: selects on every step, and, with
+      ``recompute`` (a local step that nothing follows: no synchronization reads the update),
+      the update is computed a second time instead of written and read back (unless the inner
+      update communicates), so the check reads the gradients and the state once more.
     * ``"ignore"``: ``inner.update`` as it is, at no cost: for inner optimizers that guard
       themselves (``dynamic_loss_scale``, ``optax.apply_if_finite``) or runs that accept that a
       non-finite gradient poisons the average.
@@ -234,8 +236,10 @@ def local_step(
         # the state, where a conditional is a pass of its own (on a GPU, a read of its predicate
         # on the host). The update is computed a second time, from inputs the sums cannot share:
         # XLA then reads the inputs for the sums without writing the update to memory, and the
-        # step writes what a plain step writes. Not where that would run a collective twice.
-        if _runs_alone(inner, updates, inner_state, params, extra):
+        # step writes what a plain step writes. Not where that would run a collective twice, nor
+        # before a synchronization, which writes the update anyway (the recomputation behind its
+        # barrier cost a sync step of local_sgd, D-PSGD and SGP 10-20 % of a step: docs/benchmarks.md).
+        if recompute and _runs_alone(inner, updates, inner_state, params, extra):
             again = jax.lax.optimization_barrier((updates, inner_state, params, ok))
             updates, inner_state, params, ok = again
             new_updates, new_state = inner.update(updates, inner_state, params, **extra)

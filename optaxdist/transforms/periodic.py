@@ -318,6 +318,7 @@ def periodic(
                 uniform=comm.uniform,
                 vary=vary,
                 check_state=averages_inner_state,
+                recompute=then is None,
                 **extra,
             )
             treedef = jax.tree.structure(params)
