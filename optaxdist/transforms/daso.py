@@ -663,7 +663,7 @@ def daso(
             nonfinite=nonfinite,
             uniform=lambda x: cross_comm.uniform(local_comm.uniform(x)),
             vary=vary,
-            recompute=not branch,  # a program that sends or merges writes the local parameters
+            recompute=not branch,  # a local step alone (branch 0; None: the general program, no selects)
             **extra,
         )
         # materialized in the parameters' dtype, as the general program's conditionals do: a
