@@ -75,6 +75,7 @@ from optaxdist.bench import models
 from optaxdist.bench.data import load_dataset
 from optaxdist.bench.overhead import hlo_summary, make_params
 from optaxdist.comm.axis import all_reduce_widens
+from optaxdist.comm.base import sum_in_member_order
 
 PERIOD = 30
 LOCAL_T = 5  # a step counter value at a non-sync position of every schedule below
@@ -238,11 +239,8 @@ def _bf16_sum_over_nodes(leaves: list[jax.Array]) -> list[jax.Array]:
     block = -(-flat.size // nodes)
     rows = jnp.pad(flat, (0, block * nodes - flat.size)).reshape(nodes, block)
     bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(rows, jnp.uint16), NODE, 0, 0)
-    received = jax.lax.bitcast_convert_type(bits, jnp.bfloat16).astype(jnp.float32)
-    mine = received[0]
-    for i in range(1, nodes):  # adds, not ``sum(0)``: XLA:CPU reduces over a leading axis slowly
-        mine = mine + received[i]
-    gathered = jax.lax.all_gather(jax.lax.bitcast_convert_type(mine.astype(jnp.bfloat16), jnp.uint16), NODE)
+    mine = sum_in_member_order(jax.lax.bitcast_convert_type(bits, jnp.bfloat16))
+    gathered = jax.lax.all_gather(jax.lax.bitcast_convert_type(mine, jnp.uint16), NODE)
     total = jax.lax.bitcast_convert_type(gathered, jnp.bfloat16).reshape(-1)
     ends = np.cumsum([x.size for x in leaves])
     return [part.reshape(x.shape) for x, part in zip(leaves, jnp.split(total[: flat.size], ends[:-1]))]
