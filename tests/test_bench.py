@@ -7,6 +7,9 @@ import dataclasses
 import functools
 import json
 import operator
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -452,6 +455,7 @@ def test_overhead_local_steps_rows(tmp_path, capsys):
     rec = json.loads((tmp_path / "overhead_simulate.json").read_text())
     assert rec["rows"] == ["local-steps"] and rec["results"] == []
     section = rec["local_steps"]
+    assert section["host_malloc"].startswith("system")
     rows = {r["transform"]: r for r in section["results"]}
     assert set(rows) == {"local_sgd", "diloco"}
     param_bytes = 4 * 4 * 16 * 16  # four 16×16 float32 matrices
@@ -460,6 +464,7 @@ def test_overhead_local_steps_rows(tmp_path, capsys):
         assert r["param_bytes"] == param_bytes
         for key in ("local", "plain", "sync", "hand_sync"):
             assert len(r["samples_s"][key]) == 2
+            assert r["faults_per_call"][key] >= 0
         assert r["local_ratio"] == r["local_ms"] / r["plain_ms"] > 0
         assert r["sync_ratio"] == r["sync_ms"] / r["hand_sync_ms"] > 0
         assert r["compile_s"] > 0
@@ -483,6 +488,49 @@ def test_overhead_local_steps_rows(tmp_path, capsys):
     for name, buffers in expected.items():
         assert table[name]["buffer_bytes_per_param_byte"] == buffers, name
         assert table[name]["state_bytes"] == buffers * param_bytes + table[name]["fixed_state_bytes"]
+
+
+_TOUCH_64_MIB = """
+import sys
+from optaxdist.bench import host_memory
+
+print(host_memory.host_malloc())
+if sys.argv[1] == "keep":
+    host_memory.keep_freed_memory()
+    print(host_memory.host_malloc())
+
+def touch():  # 64 MiB, every page written (zero-filled), then freed
+    block = bytearray(64 << 20)
+    del block
+
+touch(), touch()
+before = host_memory.minor_faults()
+for _ in range(4):
+    touch()
+print((host_memory.minor_faults() - before) / 4)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt: Linux only")
+def test_keep_freed_memory_reuses_the_pages_it_freed():
+    """``--host-malloc keep``: with glibc's defaults a 64 MiB block is mapped afresh on every
+    allocation and each of its 16,384 pages faults on its first write; once the allocator keeps
+    what it frees, the block reuses pages already mapped. In a process of its own (the setting
+    stays for the process's life)."""
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
+    pages = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
+
+    def run(mode: str) -> list[str]:
+        done = subprocess.run(
+            [sys.executable, "-c", _TOUCH_64_MIB, mode], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    named, faults = run("system")
+    assert named == "system" and float(faults) >= 0.9 * pages
+    before, after, faults = run("keep")
+    assert (before, after) == ("system", "keep") and float(faults) < 0.01 * pages
 
 
 @pytest.mark.parametrize("name", ["diloco", "slowmo"])
@@ -625,13 +673,14 @@ def test_each_timed_step_follows_the_step_a_loop_makes_before_it():
     calls = {"sync": (recorder("sync"), zeros), "hand_sync": (recorder("hand_sync"), zeros)}
     before = {"sync": recorder("local"), "hand_sync": recorder("plain")}
     reset = lambda name, state, early: np.asarray(100 - early) if name == "sync" else state  # noqa: E731
-    samples, _ = local_steps._time_donated(calls, 3, reset, before)
+    samples, faults, _ = local_steps._time_donated(calls, 3, reset, before)
     assert {k: len(v) for k, v in samples.items()} == {"sync": 3, "hand_sync": 3}
+    assert {k: len(v) for k, v in faults.items()} == {"sync": 3, "hand_sync": 3}
     assert calls_made[:4] == [("local", 99), ("sync", 100), ("plain", 0), ("hand_sync", 1)]
     assert calls_made[4:8] == [("local", 99), ("sync", 100), ("plain", 2), ("hand_sync", 3)]
     assert len(calls_made) == 2 * 2 * 4
     calls_made.clear()
-    looped, ends = local_steps._time_donated(
+    looped, _, ends = local_steps._time_donated(
         {"sync": calls["sync"]}, 2, reset, {"sync": calls["sync"][0]}, local_steps.LOOP
     )
     assert len(looped["sync"]) == 2 and int(ends["sync"]) == 100 + local_steps.LOOP

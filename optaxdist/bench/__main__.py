@@ -17,6 +17,7 @@ from optaxdist.bench.algorithms import (
     expand_names,
 )
 from optaxdist.bench.data import DATASETS, SHARDINGS
+from optaxdist.bench.host_memory import HOST_MALLOC, keep_freed_memory
 from optaxdist.bench.network import NETWORK_ROWS
 
 SUBCOMMANDS = ("bench", "merge")
@@ -167,6 +168,14 @@ def _parser() -> argparse.ArgumentParser:
         "donates its parameters and state (donate_argnums=(0, 1)), as a training loop does; each "
         "row's calls carry on from the arrays its last call returned, each timed call after the "
         "untimed step a training loop makes before it; also times 8 local steps in a row",
+    )
+    o.add_argument(
+        "--host-malloc",
+        choices=HOST_MALLOC,
+        default="system",
+        help="the process's C allocator: system (as configured) or keep (glibc keeps what it "
+        "frees: a call's scratch reuses pages already mapped instead of faulting in fresh ones, "
+        "as a GPU's pool does; see docs/benchmarks.md)",
     )
     o.add_argument(
         "--split-local-steps",
@@ -550,6 +559,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if args.backend == "mesh" or "mesh" in local_steps["harnesses"]:
             _force_host_devices(max(args.replicas, 8))  # before the first JAX computation
+        if args.host_malloc == "keep":
+            try:
+                keep_freed_memory()
+            except RuntimeError as e:
+                print(f"optaxdist bench: error: {e}", file=sys.stderr)
+                return 2
         from optaxdist.bench.overhead import parse_size, run_overhead
 
         sizes = [parse_size(s) for s in (args.sizes or "1M,25M").split(",") if s.strip()]

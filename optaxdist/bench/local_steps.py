@@ -73,6 +73,7 @@ import optaxdist
 from optaxdist._compat import manual_axes
 from optaxdist.bench import models
 from optaxdist.bench.data import load_dataset
+from optaxdist.bench.host_memory import host_malloc, minor_faults
 from optaxdist.bench.overhead import hlo_summary, make_params
 from optaxdist.comm.axis import all_reduce_widens
 from optaxdist.comm.base import sum_in_member_order
@@ -688,16 +689,16 @@ def measure_case(
             return harness.place(_at(state, at[name], early)) if name in at else state
 
         before = predecessors(case, harness, ours, donate, gradients_of)
-        samples, _ = _time_donated(calls, repeats, reset, before)
+        samples, faults, _ = _time_donated(calls, repeats, reset, before)
         looped = {k: calls[k] for k in ("local", "plain", "hand_local") if k in calls}
-        loop_samples, ends = _time_donated(looped, repeats, reset, before, steps=LOOP)
+        loop_samples, _, ends = _time_donated(looped, repeats, reset, before, steps=LOOP)
         samples |= {f"loop_{k}": v for k, v in loop_samples.items()}
         if _sync_events(case, ends["local"]) != _sync_events(case, local_state):
             raise RuntimeError(
                 f"{case.name}: a synchronization ran in {LOOP} local steps from {dict(case.local_at)}"
             )
     else:
-        samples = _time_after_itself(calls, repeats)
+        samples, faults = _time_after_itself(calls, repeats)
     if split and not ours.local_calls:  # gossip: every step ran a synchronization's program
         local_compile_s = local_compiled = None
     hand_compiled = hands["hand_sync"].lower(params, plain_state, data).compile()
@@ -733,6 +734,7 @@ def measure_case(
         "plain_step_bytes": step_bytes(plain_compiled),
         "peak_bytes_in_use": peak_bytes_in_use(),
         "samples_s": samples,
+        "faults_per_call": {k: statistics.median(v) for k, v in faults.items()},
         "hlo": _hlo_extra(compiled, hand_compiled),
     }
 
@@ -771,19 +773,24 @@ def _copies(*trees: Any) -> tuple:
     return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), trees))
 
 
-def _time_after_itself(calls: Mapping[str, tuple[Step, tuple]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each row's call on its own arguments (nothing donated), the rows in turn, each
-    timed call right after an untimed one of itself: never right after another row's program
-    (see ``_time_donated``)."""
-    samples: dict[str, list[float]] = {k: [] for k in calls}
+Samples = dict[str, list[float]]
+
+
+def _time_after_itself(calls: Mapping[str, tuple[Step, tuple]], repeats: int) -> tuple[Samples, Samples]:
+    """Seconds and page faults of each row's call on its own arguments (nothing donated), the
+    rows in turn, each timed call right after an untimed one of itself: never right after another
+    row's program (see ``_time_donated``)."""
+    samples: Samples = {k: [] for k in calls}
+    faults: Samples = {k: [] for k in calls}
     for i in range(repeats + 1):  # the first round warms up
         for name, (fn, args) in calls.items():
             jax.block_until_ready(fn(*args))
-            t = time.perf_counter()
+            f, t = minor_faults(), time.perf_counter()
             jax.block_until_ready(fn(*args))
             if i > 0:
                 samples[name].append(time.perf_counter() - t)
-    return samples
+                faults[name].append(minor_faults() - f)
+    return samples, faults
 
 
 def _time_donated(
@@ -792,7 +799,7 @@ def _time_donated(
     reset: Callable[[str, Any, int], Any],
     before: Mapping[str, Step],
     steps: int = 1,
-) -> tuple[dict[str, list[float]], dict[str, Any]]:
+) -> tuple[Samples, Samples, dict[str, Any]]:
     """Seconds per step of each row's calls with donated arguments, as a training loop makes
     them: each run of a row continues from the parameters and state its last run returned (its
     own copy of the arguments at first), follows an untimed call of ``before[name]``, the step a
@@ -806,23 +813,26 @@ def _time_donated(
     to a sixth off a hand-written sync). And a ``split_local_steps`` step finds its counters on
     the host, as it does in a loop. With ``steps`` > 1 the host's part of a call overlaps the
     device's work on the ones before it wherever the device is the slower (a GPU; on the CPU a
-    call mostly runs as it is dispatched). Returns the samples and each row's last state (its
-    ledgers count every call's communication)."""
+    call mostly runs as it is dispatched). Returns the seconds and the host's page faults per
+    step (``host_memory``) and each row's last state (its ledgers count every call's
+    communication)."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
-    samples: dict[str, list[float]] = {k: [] for k in calls}
+    samples: Samples = {k: [] for k in calls}
+    faults: Samples = {k: [] for k in calls}
     for i in range(repeats + 1):  # the first round warms up
         for name, (fn, _) in calls.items():
             params, state, data = carried[name]
             state = jax.block_until_ready(reset(name, state, 1))
             params, state = jax.block_until_ready(before[name](params, state, data))
-            t = time.perf_counter()
+            f, t = minor_faults(), time.perf_counter()
             for _ in range(steps):
                 params, state = fn(params, state, data)
             jax.block_until_ready((params, state))
             if i > 0:
                 samples[name].append((time.perf_counter() - t) / steps)
+                faults[name].append((minor_faults() - f) / steps)
             carried[name] = (params, state, data)
-    return samples, {name: state for name, (_, state, _) in carried.items()}
+    return samples, faults, {name: state for name, (_, state, _) in carried.items()}
 
 
 def _memory(compiled: Any) -> Any:
@@ -1018,6 +1028,7 @@ def run_local_steps(
         "sync_step_counter": {"default": SYNC_T, "daso": PERIOD},
         "donate": donate,
         "split": split,
+        "host_malloc": host_malloc(),
         "leaves": leaves if model == "none" else None,
         "model": model,
         "batch": BATCH if model == "mlp" else None,
@@ -1064,6 +1075,11 @@ def _local_mb(row: Mapping[str, Any]) -> str:
     return "" if local is None else f" ({_mb(local)})"
 
 
+def _faults(row: Mapping[str, Any]) -> str:
+    faults = row.get("faults_per_call")
+    return "–" if faults is None else " / ".join(f"{faults[k]:,.0f}" for k in ("local", "sync", "plain"))
+
+
 def format_local_steps(section: Mapping[str, Any]) -> str:
     """Markdown tables: the timing rows, then state bytes per parameter byte."""
     if section.get("donate"):
@@ -1083,6 +1099,12 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
             "per replica (its cross-entropy's gradient), then the update",
             "",
         ]
+    out += [
+        "page faults: the host's minor page faults per call, medians (a first write to memory the C "
+        "allocator took from the kernel; host malloc: "
+        f"{section.get('host_malloc', 'system')}, --host-malloc)",
+        "",
+    ]
     if section.get("split"):
         out += [
             "the transforms' steps run under split_local_steps=True (--split-local-steps); compile "
@@ -1094,8 +1116,8 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
         "| transform | harness | replicas | parameters | local ms | plain ms | local / plain | "
         "hand local ms | local / hand | sync ms | hand sync ms | sync / hand | hand algorithm ms | "
         "sync / hand algorithm | loop local ms | loop local / plain | loop local / hand | compile s | "
-        "state B / param B | step MB / plain MB | peak MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "state B / param B | step MB / plain MB | peak MB | page faults local / sync / plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in section["results"]:
         shape = "×".join(map(str, r["shape"]))
@@ -1109,7 +1131,7 @@ def format_local_steps(section: Mapping[str, Any]) -> str:
             f"{_number(r.get('loop_local_ratio'), 2)} | "
             f"{_number(r.get('loop_local_hand_ratio') or r.get('loop_local_ratio'), 2)} | {_compile(r)} | "
             f"{r['state_bytes_per_param_byte']:.3f} | {_mb(r.get('step_bytes'))}{_local_mb(r)} / "
-            f"{_mb(r.get('plain_step_bytes'))} | {_mb(r.get('peak_bytes_in_use'))} |"
+            f"{_mb(r.get('plain_step_bytes'))} | {_mb(r.get('peak_bytes_in_use'))} | {_faults(r)} |"
         )
     out += [
         "",
