@@ -535,6 +535,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "merge":
         return _merge(args)
 
+    if args.host_malloc != "system" and args.suite != "overhead":
+        error = f"--host-malloc {args.host_malloc} applies to --suite overhead only"
+        print(f"optaxdist bench: error: {error}", file=sys.stderr)
+        return 2
+
     if args.list:
         for a in ALGORITHMS.values():
             print(f"{a.name:<16} {a.description}")

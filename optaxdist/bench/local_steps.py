@@ -773,7 +773,7 @@ def _copies(*trees: Any) -> tuple:
     return jax.block_until_ready(jax.tree.map(lambda x: x.copy(), trees))
 
 
-Samples = dict[str, list[float]]
+Samples = dict[str, list[float]]  # per row name, one value per timed call: seconds or page faults
 
 
 def _time_after_itself(calls: Mapping[str, tuple[Step, tuple]], repeats: int) -> tuple[Samples, Samples]:

@@ -39,6 +39,7 @@ from optaxdist.bench.algorithms import (
 )
 from optaxdist.bench.charlm import CharTransformer
 from optaxdist.bench.data import TEXT_DATASETS, Dataset, load_dataset, make_shards
+from optaxdist.bench.host_memory import host_malloc
 from optaxdist.bench.models import MLP, cross_entropy, evaluate_in_batches
 
 FP32_REFERENCE = "allreduce-fp32"
@@ -279,6 +280,7 @@ def environment() -> dict[str, Any]:
         "devices": [str(d) for d in jax.devices()],
         "device_kind": jax.devices()[0].device_kind,
         "cpu_count": os.cpu_count(),
+        "host_malloc": host_malloc(),
     }
 
 
