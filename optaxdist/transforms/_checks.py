@@ -237,8 +237,9 @@ def local_step(
         # on the host). The update is computed a second time, from inputs the sums cannot share:
         # XLA then reads the inputs for the sums without writing the update to memory, and the
         # step writes what a plain step writes. Not where that would run a collective twice, nor
-        # before a synchronization, which writes the update anyway (the recomputation behind its
-        # barrier cost a sync step of local_sgd, D-PSGD and SGP 10-20 % of a step: docs/benchmarks.md).
+        # before a synchronization, which writes the update anyway (there the recomputation kept
+        # more scratch: D-PSGD's sync at 64 × 100k took 12,078 page faults per call on the CPU
+        # against 798, and local_sgd's, D-PSGD's and SGP's cost 10-20 % more: docs/benchmarks.md).
         if recompute and _runs_alone(inner, updates, inner_state, params, extra):
             again = jax.lax.optimization_barrier((updates, inner_state, params, ok))
             updates, inner_state, params, ok = again
