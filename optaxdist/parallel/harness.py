@@ -142,9 +142,22 @@ def _on_own_row(step: Callable[..., Any]) -> Callable[..., Any]:
     return per_device
 
 
+def _one_step_in_flight(mesh: Mesh) -> bool:
+    """Whether a step on ``mesh`` must wait for its results: this process holds several CPU devices
+    of it. XLA:CPU runs the collectives among a process's CPU devices as in-process rendezvous on
+    its devices' threads, and with many steps queued behind each other (dispatched without
+    waiting) the rendezvous of one step waits for a device whose thread is held by another:
+    8 CPU devices on 2 cores, ``lax.pmean`` of 100k ``float32`` per device, aborted after XLA's
+    40 s limit with 64 steps in flight and ran with 32 (JAX 0.10.2; DASO on the mesh under
+    ``split_local_steps`` after about 120 steps). GPUs run a device's programs in order: no wait."""
+    here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return len(here) > 1 and all(d.platform == "cpu" for d in here)
+
+
 class AgreedStep:
     """A compiled step that checks, at its first call, that every process runs the same
-    configuration (``optaxdist.agreement``) before any collective of the step runs.
+    configuration (``optaxdist.agreement``) before any collective of the step runs. With
+    ``wait`` each call returns once its results are ready (one step in flight).
 
     ``agreement`` is the ``CommLedger`` of the bytes that check exchanged (no events in one
     process, or with ``check_config=False``). Everything else (``lower``, ``trace``, ...) is the
@@ -354,7 +367,9 @@ def on_mesh(
     split them), and a step returns parameters and state as it took them.
     Each call raises ``ValueError`` if an argument's ``NamedSharding`` splits a dimension other
     than the leading one over a replica axis, or the leading one over replica and other axes
-    together (``P(None, "replica")``, ``P(("replica", "model"), None)``).
+    together (``P(None, "replica")``, ``P(("replica", "model"), None)``). Where this process holds
+    several CPU devices of the mesh, each call waits for its results: XLA:CPU's collectives
+    between them deadlock with many steps queued (``_one_step_in_flight``).
     ``donate_argnums`` is ``jax.jit``'s and ``split_local_steps`` ``simulate``'s (every process
     of a multi-host mesh must then pass the same states, as it must anyway).
     """
@@ -393,6 +408,7 @@ def on_mesh(
         step,
         host_allgather if many else None,
         "processes",
+        wait=_one_step_in_flight(mesh),
         check_args=functools.partial(_check_replica_placement, mesh=mesh, names=names),
     )
 

@@ -1,0 +1,64 @@
+"""Steps queued on a mesh of CPU devices: XLA:CPU's in-process collectives deadlock when many steps
+are in flight, so ``on_mesh`` keeps one there. A hard timeout, never a hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import optaxdist as od
+from optaxdist.parallel.harness import _one_step_in_flight
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# 400 steps dispatched without reading a result, a pmean within groups of 4 of 8 CPU devices:
+# without the wait (``_one_step_in_flight`` returning False) this aborted in XLA's rendezvous after
+# its 40 s limit, in every run on 2 cores (JAX 0.10.2); with it the loop takes about 3 s.
+QUEUED_STEPS = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    import optaxdist as od
+
+    mesh = jax.make_mesh((2, 4), ("node", "local"))
+
+    def step(x, m):
+        m = 0.9 * m + 0.01 * jnp.tanh(x)
+        return jax.lax.pmean(x - m, "local"), m
+
+    run = od.on_mesh(step, mesh, donate_argnums=(0, 1))
+    x, m = jnp.ones((8, 100_000)), jnp.zeros((8, 100_000))
+    for _ in range(400):
+        x, m = run(x, m)
+    print("finished", float(np.asarray(x).sum()))
+    """
+)
+
+
+def test_steps_queued_on_a_cpu_mesh_finish():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    proc = subprocess.run(
+        [sys.executable, "-c", QUEUED_STEPS], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "finished" in proc.stdout
+
+
+def test_a_step_on_several_cpu_devices_returns_ready_results():
+    mesh = jax.make_mesh((8,), ("replica",))
+    assert _one_step_in_flight(mesh)
+    run = od.on_mesh(lambda x: jax.lax.psum(jnp.tanh(x) @ x.T, "replica"), mesh)
+    out = run(jnp.ones((8, 256, 256)))
+    assert out.is_ready()
+    np.testing.assert_allclose(np.asarray(out)[0], 8 * np.tanh(1.0) * 256 * np.ones((256, 256)), rtol=1e-5)
+
+
+def test_one_device_of_a_mesh_per_process_keeps_steps_queued():
+    assert not _one_step_in_flight(jax.make_mesh((1,), ("replica",), devices=jax.devices()[:1]))
