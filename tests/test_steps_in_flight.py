@@ -18,9 +18,8 @@ from optaxdist.parallel.harness import _one_step_in_flight
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# 400 steps dispatched without reading a result, a pmean within groups of 4 of 8 CPU devices:
-# without the wait (``_one_step_in_flight`` returning False) this aborted in XLA's rendezvous after
-# its 40 s limit, in every run on 2 cores (JAX 0.10.2); with it the loop takes about 3 s.
+# 400 steps dispatched without reading a result: without the wait this aborted in XLA's rendezvous
+# on 2 cores (JAX 0.10.2; docs/harnesses.md); with it the loop takes about 3 s.
 QUEUED_STEPS = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
@@ -62,3 +61,12 @@ def test_a_step_on_several_cpu_devices_returns_ready_results():
 
 def test_one_device_of_a_mesh_per_process_keeps_steps_queued():
     assert not _one_step_in_flight(jax.make_mesh((1,), ("replica",), devices=jax.devices()[:1]))
+
+
+def test_a_step_on_an_abstract_mesh_of_cpu_devices_waits():
+    mesh = jax.make_mesh((8,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,))
+    run = od.on_mesh(lambda x: jax.lax.psum(x, "replica"), mesh.abstract_mesh)
+    with jax.set_mesh(mesh):
+        out = run(jnp.ones((8, 3)))
+    assert out.is_ready()
+    np.testing.assert_array_equal(np.asarray(out), 8 * np.ones((8, 3)))

@@ -142,15 +142,13 @@ def _on_own_row(step: Callable[..., Any]) -> Callable[..., Any]:
     return per_device
 
 
-def _one_step_in_flight(mesh: Mesh) -> bool:
+def _one_step_in_flight(mesh: Mesh | jax.sharding.AbstractMesh) -> bool:
     """Whether a step on ``mesh`` must wait for its results: this process holds several CPU devices
-    of it. XLA:CPU runs the collectives among a process's CPU devices as in-process rendezvous on
-    its devices' threads, and with many steps queued behind each other (dispatched without
-    waiting) the rendezvous of one step waits for a device whose thread is held by another:
-    8 CPU devices on 2 cores, ``lax.pmean`` of 100k ``float32`` per device, aborted after XLA's
-    40 s limit with 64 steps in flight and ran with 32 (JAX 0.10.2; DASO on the mesh under
-    ``split_local_steps`` after about 120 steps). GPUs run a device's programs in order: no wait."""
-    here = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    of it (of an ``AbstractMesh``, which names none: several CPU devices at all). XLA:CPU runs
+    their collectives as rendezvous on the devices' threads, which deadlock with many steps
+    queued (docs/harnesses.md, "On CPU devices each call waits"); GPUs run a device's programs in
+    order."""
+    here = mesh.local_devices if isinstance(mesh, Mesh) else jax.local_devices()
     return len(here) > 1 and all(d.platform == "cpu" for d in here)
 
 
@@ -368,8 +366,7 @@ def on_mesh(
     Each call raises ``ValueError`` if an argument's ``NamedSharding`` splits a dimension other
     than the leading one over a replica axis, or the leading one over replica and other axes
     together (``P(None, "replica")``, ``P(("replica", "model"), None)``). Where this process holds
-    several CPU devices of the mesh, each call waits for its results: XLA:CPU's collectives
-    between them deadlock with many steps queued (``_one_step_in_flight``).
+    several CPU devices of the mesh, each call waits for its results (``_one_step_in_flight``).
     ``donate_argnums`` is ``jax.jit``'s and ``split_local_steps`` ``simulate``'s (every process
     of a multi-host mesh must then pass the same states, as it must anyway).
     """
