@@ -159,21 +159,12 @@ def _wait_for(tree: Any) -> None:
     )
 
 
-class _InFlight:
-    """What the last call of a step kept to one in flight returned: one record per process,
-    shared by all such steps (a train and an eval step, the programs of ``split_local_steps``, a
-    step made anew for each call), since their collectives share the devices' threads."""
-
-    results: Any = None
-
-
 class AgreedStep:
     """A compiled step that checks, at its first call, that every process runs the same
     configuration (``optaxdist.agreement``) before any collective of the step runs. With
     ``wait`` each call returns once its results are ready; with ``one_in_flight`` each call first
-    waits for its arguments and for what the last such call of any step returned (``_InFlight``),
-    then returns at once: one step in flight, and the host's work between steps overlaps the step
-    before.
+    waits for its arguments and for what the previous call returned, then returns at once (one
+    step in flight, and the host's work between steps overlaps the step before).
 
     ``agreement`` is the ``CommLedger`` of the bytes that check exchanged (no events in one
     process, or with ``check_config=False``). Everything else (``lower``, ``trace``, ...) is the
@@ -194,7 +185,7 @@ class AgreedStep:
     ):
         self._jitted, self._traced, self._step = jitted, traced, step
         self._allgather, self._who, self._wait = allgather, who, wait
-        self._one_in_flight = one_in_flight
+        self._one_in_flight, self._in_flight = one_in_flight, None
         self._check_args = check_args
         self.agreement = CommLedger.create({DIGEST_KIND: DIGEST_BYTES})
 
@@ -207,10 +198,10 @@ class AgreedStep:
             self.agreement = agree(description, self._allgather, who=self._who)
             self._allgather = None
         if self._one_in_flight:
-            _wait_for((args, kwargs, _InFlight.results))
+            _wait_for((args, kwargs, self._in_flight))
         out = self._jitted(*args, **kwargs)
         if self._one_in_flight:
-            _InFlight.results = out
+            self._in_flight = out
         return jax.block_until_ready(out) if self._wait else out
 
     def __getattr__(self, name: str) -> Any:
@@ -391,7 +382,7 @@ def on_mesh(
     than the leading one over a replica axis, or the leading one over replica and other axes
     together (``P(None, "replica")``, ``P(("replica", "model"), None)``). Where this process holds
     several CPU devices of the mesh, each call first waits for its arguments and the results of
-    the last such call of any step: one step in flight (``_one_step_in_flight``).
+    its previous call: one step in flight (``_one_step_in_flight``).
     ``donate_argnums`` is ``jax.jit``'s and ``split_local_steps`` ``simulate``'s (every process
     of a multi-host mesh must then pass the same states, as it must anyway).
     """
