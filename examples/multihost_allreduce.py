@@ -106,7 +106,7 @@ def train(args) -> None:
     opt_state = optaxdist.on_mesh(tx.init, h.mesh)(params)
     step = optaxdist.on_mesh(train_step, h.mesh)
     for _ in range(args.steps):
-        params, opt_state, loss = step(params, opt_state, x, y)  # on_mesh: one step in flight
+        params, opt_state, loss = step(params, opt_state, x, y)  # on CPU devices: one step in flight
 
     # Global arrays are not fully addressable: read this process's shards.
     my_params = np.asarray(params.addressable_shards[0].data)[0]

@@ -143,28 +143,19 @@ def _on_own_row(step: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _one_step_in_flight(mesh: Mesh | jax.sharding.AbstractMesh) -> bool:
-    """Whether steps on ``mesh`` must be kept to one in flight: this process holds several CPU
-    devices of it (of an ``AbstractMesh``, which names none: several CPU devices at all). XLA:CPU
-    runs their collectives as rendezvous on the devices' threads, which deadlock with many steps
-    queued (docs/harnesses.md, "On CPU devices, one step in flight"); GPUs run a device's
-    programs in order."""
+    """Whether a step on ``mesh`` must wait for its results: this process holds several CPU devices
+    of it (of an ``AbstractMesh``, which names none: several CPU devices at all). XLA:CPU runs
+    their collectives as rendezvous on the devices' threads, which deadlock with many steps
+    queued (docs/harnesses.md, "On CPU devices each call waits"); GPUs run a device's programs in
+    order."""
     here = mesh.local_devices if isinstance(mesh, Mesh) else jax.local_devices()
     return len(here) > 1 and all(d.platform == "cpu" for d in here)
-
-
-def _wait_for(tree: Any) -> None:
-    """Wait until every array of ``tree`` not yet given up (donated, deleted) is ready."""
-    jax.block_until_ready(
-        [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted()]
-    )
 
 
 class AgreedStep:
     """A compiled step that checks, at its first call, that every process runs the same
     configuration (``optaxdist.agreement``) before any collective of the step runs. With
-    ``wait`` each call returns once its results are ready; with ``one_in_flight`` each call first
-    waits for its arguments and for what the previous call returned, then returns at once (one
-    step in flight, and the host's work between steps overlaps the step before).
+    ``wait`` each call returns once its results are ready (one step in flight).
 
     ``agreement`` is the ``CommLedger`` of the bytes that check exchanged (no events in one
     process, or with ``check_config=False``). Everything else (``lower``, ``trace``, ...) is the
@@ -180,12 +171,10 @@ class AgreedStep:
         who: str,
         *,
         wait: bool = False,
-        one_in_flight: bool = False,
         check_args: Callable[..., None] | None = None,
     ):
         self._jitted, self._traced, self._step = jitted, traced, step
         self._allgather, self._who, self._wait = allgather, who, wait
-        self._one_in_flight, self._in_flight = one_in_flight, None
         self._check_args = check_args
         self.agreement = CommLedger.create({DIGEST_KIND: DIGEST_BYTES})
 
@@ -197,11 +186,7 @@ class AgreedStep:
             description = describe_step(traced, *args, user_step=self._step)
             self.agreement = agree(description, self._allgather, who=self._who)
             self._allgather = None
-        if self._one_in_flight:
-            _wait_for((args, kwargs, self._in_flight))
         out = self._jitted(*args, **kwargs)
-        if self._one_in_flight:
-            self._in_flight = out
         return jax.block_until_ready(out) if self._wait else out
 
     def __getattr__(self, name: str) -> Any:
@@ -381,8 +366,7 @@ def on_mesh(
     Each call raises ``ValueError`` if an argument's ``NamedSharding`` splits a dimension other
     than the leading one over a replica axis, or the leading one over replica and other axes
     together (``P(None, "replica")``, ``P(("replica", "model"), None)``). Where this process holds
-    several CPU devices of the mesh, each call first waits for its arguments and the results of
-    its previous call: one step in flight (``_one_step_in_flight``).
+    several CPU devices of the mesh, each call waits for its results (``_one_step_in_flight``).
     ``donate_argnums`` is ``jax.jit``'s and ``split_local_steps`` ``simulate``'s (every process
     of a multi-host mesh must then pass the same states, as it must anyway).
     """
@@ -421,7 +405,7 @@ def on_mesh(
         step,
         host_allgather if many else None,
         "processes",
-        one_in_flight=_one_step_in_flight(mesh),
+        wait=_one_step_in_flight(mesh),
         check_args=functools.partial(_check_replica_placement, mesh=mesh, names=names),
     )
 
