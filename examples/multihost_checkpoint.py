@@ -93,7 +93,7 @@ def train(args) -> None:
 
     def run(state, first, last, manager=None):
         for t in range(first, last):
-            state = step(*state, *batch(t))  # on CPU devices on_mesh keeps one step in flight
+            state = step(*state, *batch(t))  # on CPU devices: one step in flight
             if manager is not None and (t + 1) % args.every == 0:
                 od.save_checkpoint(manager, t + 1, state)
         return state

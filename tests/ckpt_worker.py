@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 def steps(run, state, batches):
     for batch in batches:
         state = run(*state, *batch)
-        jax.block_until_ready(state)  # CPU/gloo, several devices per process: one step in flight
+        jax.block_until_ready(state)  # as on_mesh does on CPU devices (docs/harnesses.md)
     return state
 
 

@@ -816,9 +816,8 @@ def _time_donated(
     the host, as it does in a loop. With ``steps`` > 1 the host's part of a call overlaps the
     device's work on the ones before it wherever the device is the slower (a GPU; on the CPU a
     call mostly runs as it is dispatched, and on a mesh of CPU devices ``on_mesh`` waits for each
-    call's results). Returns the seconds and the host's page faults per
-    step (``host_memory``) and each row's last state (its ledgers count every call's
-    communication)."""
+    call's results). Returns the seconds and the host's page faults per step (``host_memory``) and
+    each row's last state (its ledgers count every call's communication)."""
     carried = {name: _copies(*args) for name, (_, args) in calls.items()}
     samples: Samples = {k: [] for k in calls}
     faults: Samples = {k: [] for k in calls}
