@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import optaxdist as od
 from optaxdist.parallel.harness import _one_step_in_flight
@@ -70,3 +71,24 @@ def test_a_step_on_an_abstract_mesh_of_cpu_devices_waits():
         out = run(jnp.ones((8, 3)))
     assert out.is_ready()
     np.testing.assert_array_equal(np.asarray(out), 8 * np.ones((8, 3)))
+
+
+def test_every_call_of_a_split_step_on_several_cpu_devices_returns_ready_results():
+    """``split_local_steps`` dispatches its program, does the host's part of the call, then waits:
+    the general, local and synchronization calls all return ready results, as ``on_mesh`` does
+    (without the wait, every call but the first returned before its results were ready: a million
+    parameters per replica take longer than a dispatch)."""
+    mesh = jax.make_mesh((4,), (od.REPLICA_AXIS,), devices=jax.devices()[:4])
+    tx = od.local_sgd(optax.sgd(0.1), comm=od.AxisComm(od.REPLICA_AXIS), period=3)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return od.apply_updates(params, updates, state), state
+
+    split = od.on_mesh(step, mesh, donate_argnums=(0, 1), split_local_steps=True)
+    params = od.replicate(jnp.linspace(-1.0, 1.0, 1_000_000), 4)
+    state = od.on_mesh(tx.init, mesh)(params)
+    for i in range(7):
+        params, state = split(params, state, jnp.full((4, 1_000_000), 0.01 * (i + 1)))
+        assert all(x.is_ready() for x in jax.tree.leaves((params, state))), i
+    assert split.local_calls >= 3 and split.sync_calls >= 1

@@ -178,7 +178,14 @@ class AgreedStep:
         self._check_args = check_args
         self.agreement = CommLedger.create({DIGEST_KIND: DIGEST_BYTES})
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def waits(self) -> bool:
+        """Whether a call returns once its results are ready."""
+        return self._wait
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """A call that returns as soon as the step is dispatched, whether or not it ``waits``: the
+        caller waits for the results (``SplitLocalSteps``, after its own host work)."""
         if self._check_args is not None:
             self._check_args(args)
         if self._allgather is not None:  # until a call has agreed (every process raises alike)
@@ -186,7 +193,10 @@ class AgreedStep:
             description = describe_step(traced, *args, user_step=self._step)
             self.agreement = agree(description, self._allgather, who=self._who)
             self._allgather = None
-        out = self._jitted(*args, **kwargs)
+        return self._jitted(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.dispatch(*args, **kwargs)
         return jax.block_until_ready(out) if self._wait else out
 
     def __getattr__(self, name: str) -> Any:

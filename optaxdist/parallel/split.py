@@ -246,6 +246,7 @@ def _split_over_other_axes(x: Any) -> bool:
 
 
 _AVAL = operator.attrgetter("aval")  # an array's abstract value (shape, dtype, weak type...), at C speed
+_IS_DELETED = operator.methodcaller("is_deleted")
 
 
 class _Entry:
@@ -324,6 +325,9 @@ class SplitLocalSteps:
     axis beyond the replicas' (the harness then places results like arguments), nor for a call
     with one array at two argument positions: there the program takes and returns everything, as
     the general program does.
+    Where the harness's steps wait for their results (several CPU devices of a mesh), a call
+    dispatches its program, does the host's part (putting the results together, counting the
+    control values), then waits for the arrays that program computed.
     ``local_calls`` and ``sync_calls`` count the calls that ran the local program and a
     synchronization's; everything else (``lower``, ``trace``, ``agreement``...) is the general
     program's.
@@ -344,6 +348,9 @@ class SplitLocalSteps:
         self._build, self._step, self._leading = build, step, leading
         self._donate = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
         self._general = build(self._recording(step, None))
+        # the harness's steps wait for their results (a mesh of CPU devices): the calls dispatch
+        # their program, do the host's part, then wait
+        self._waits = bool(getattr(self._general, "waits", False))
         self._local = build(self._recording(step, LOCAL))
         self._syncs: dict[tuple[int, ...], Callable[..., Any]] = {}  # branches → program
         self._entries: dict[tuple, _Entry] = {}
@@ -429,6 +436,11 @@ class SplitLocalSteps:
         if program is None and len(self._syncs) < SYNC_PROGRAMS:
             program = self._syncs[key] = self._build(self._recording(self._step, key))
         return program
+
+    def _start(self, program: Callable[..., Any], *args: Any) -> Any:
+        """``program``'s results, without waiting for them (``__call__`` waits, where the harness's
+        steps do, once the host's part of the call is done)."""
+        return program.dispatch(*args) if self._waits else program(*args)
 
     def _whole(self, key: Key) -> Callable[..., Any]:
         """The program of fixed branches ``key`` (LOCAL or a synchronization's), taking and
@@ -523,9 +535,9 @@ class SplitLocalSteps:
 
     def _run_fixed(
         self, entry: _Entry, key: Key, args: tuple, leaves: list, treedef: Any
-    ) -> tuple[Any, list]:
-        """The results of the program of ``key`` (the local program, or a synchronization's), and
-        their leaves."""
+    ) -> tuple[Any, list, Any]:
+        """The results of the program of ``key`` (the local program, or a synchronization's), their
+        leaves, and those the program computes (the others were ready before the call)."""
         pruned = entry.pruned.get(key, False)
         if pruned is False:
             pruned = entry.pruned[key] = self._pruning(key, entry.signature, args, leaves, treedef)
@@ -538,22 +550,25 @@ class SplitLocalSteps:
             pruned = None
         if pruned is not None:
             constants = entry.constants.get(key, ())  # computed at the first call, and again if deleted
-            if len(constants) != len(pruned.constant) or any(x.is_deleted() for x in constants):
-                constants = entry.constants[key] = self._constants(entry, key, args, leaves)
+            if len(constants) != len(pruned.constant) or any(map(_IS_DELETED, constants)):
+                # ready before the call returns, as the program's results (a program of its own)
+                constants = entry.constants[key] = jax.block_until_ready(
+                    self._constants(entry, key, args, leaves)
+                )
                 self._kept = {i: x for i, x in self._kept.items() if not x.is_deleted()}
                 self._kept.update((id(x), x) for x in constants)
             donated = pruned.take_donated(leaves)
             if not self._kept.keys().isdisjoint(map(id, donated)):  # read and donated: a copy
                 donated = tuple(x.copy() if id(x) in self._kept else x for x in donated)
             try:
-                results = pruned.program(donated, pruned.take_kept(leaves))
+                results = self._start(pruned.program, donated, pruned.take_kept(leaves))
             except _NotAsTraced:  # at its first call, before any buffer is donated
                 self._pruned[(key, entry.signature)] = entry.pruned[key] = None
             else:
                 out = pruned.assemble((*results, *leaves, *constants))
-                return jax.tree.unflatten(pruned.out_treedef, out), out
-        out = self._whole(key)(*self._unshared(args, leaves, treedef))
-        return out, jax.tree.leaves(out)
+                return jax.tree.unflatten(pruned.out_treedef, out), out, results
+        out = self._start(self._whole(key), *self._unshared(args, leaves, treedef))
+        return out, jax.tree.leaves(out), out
 
     def _constants(self, entry: _Entry, key: Key, args: tuple, leaves: list) -> tuple[jax.Array, ...]:
         """The results of the program of ``key`` that read no argument, for ``entry``'s shapes."""
@@ -592,15 +607,15 @@ class SplitLocalSteps:
         leaves, treedef = jax.tree.flatten(args)
         entry = self._entry(treedef, leaves)
         if entry is None:
-            return self._general(*self._unshared(args, leaves, treedef))
+            return self._general(*self._unshared(args, leaves, treedef))  # it waits if it must
         plan = entry.plan
         steps = [self._step_at(plan, i, c) for i, c in enumerate(self._controls(entry, leaves))]
         key = self._choose(entry, tuple(branch for branch, _ in steps), args)
         if key is None:
-            out = self._general(*self._unshared(args, leaves, treedef))
+            out = computed = self._start(self._general, *self._unshared(args, leaves, treedef))
             results = jax.tree.leaves(out)
         else:
-            out, results = self._run_fixed(entry, key, args, leaves, treedef)
+            out, results, computed = self._run_fixed(entry, key, args, leaves, treedef)
             self.local_calls += key == LOCAL
             self.sync_calls += key != LOCAL
         after = [control for _, control in steps]
@@ -609,6 +624,8 @@ class SplitLocalSteps:
             self._counted[id(arrays[0])] = (plan, arrays, after)
             if len(self._counted) > CHAINS:
                 self._counted.pop(next(iter(self._counted)))
+        if self._waits:
+            jax.block_until_ready(computed)
         return out
 
     def lower_local(self, *args: Any) -> Any:
