@@ -551,10 +551,9 @@ class SplitLocalSteps:
         if pruned is not None:
             constants = entry.constants.get(key, ())  # computed at the first call, and again if deleted
             if len(constants) != len(pruned.constant) or any(map(_IS_DELETED, constants)):
-                # ready before the call returns, as the program's results (a program of its own)
-                constants = entry.constants[key] = jax.block_until_ready(
-                    self._constants(entry, key, args, leaves)
-                )
+                constants = entry.constants[key] = self._constants(entry, key, args, leaves)
+                if self._waits:  # ready before the call returns, as the program's results
+                    jax.block_until_ready(constants)
                 self._kept = {i: x for i, x in self._kept.items() if not x.is_deleted()}
                 self._kept.update((id(x), x) for x in constants)
             donated = pruned.take_donated(leaves)
