@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import optaxdist as od
 from optaxdist.parallel.harness import _one_step_in_flight
@@ -92,3 +93,28 @@ def test_every_call_of_a_split_step_on_several_cpu_devices_returns_ready_results
         params, state = split(params, state, jnp.full((4, 1_000_000), 0.01 * (i + 1)))
         assert all(x.is_ready() for x in jax.tree.leaves((params, state))), i
     assert split.local_calls >= 3 and split.sync_calls >= 1
+
+
+def test_a_split_call_whose_program_fails_at_the_wait_counts_nothing():
+    """The start check's error comes from a host callback, so it surfaces at the call's final
+    wait: at that call, which then leaves no control values counted and no call counted."""
+    mesh = jax.make_mesh((4,), (od.REPLICA_AXIS,), devices=jax.devices()[:4])
+    tx = od.local_sgd(optax.sgd(0.1), comm=od.AxisComm(od.REPLICA_AXIS), period=3)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return od.apply_updates(params, updates, state), state
+
+    split = od.on_mesh(step, mesh, split_local_steps=True)
+    start = od.replicate(jnp.linspace(-1.0, 1.0, 64), 4)
+    params, state = start, od.on_mesh(tx.init, mesh)(start)
+    for i in range(4):
+        params, state = split(params, state, jnp.full((4, 64), 0.01 * (i + 1)))
+    counts, counted = (split.local_calls, split.sync_calls), dict(split._counted)
+    # a new run with the first run's signature: the harness knows its plan, so the call goes
+    # through the split harness's own dispatch and wait (not the general program's first call)
+    differ = start + jnp.arange(4.0)[:, None]
+    with pytest.raises(Exception, match="replicas do not start from identical parameters"):
+        split(differ, od.on_mesh(tx.init, mesh)(differ), jnp.full((4, 64), 0.0))
+    assert (split.local_calls, split.sync_calls) == counts
+    assert split._counted == counted

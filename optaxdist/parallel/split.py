@@ -325,9 +325,10 @@ class SplitLocalSteps:
     axis beyond the replicas' (the harness then places results like arguments), nor for a call
     with one array at two argument positions: there the program takes and returns everything, as
     the general program does.
-    Where the harness's steps wait for their results (several CPU devices of a mesh), a call
-    dispatches its program, does the host's part (putting the results together, counting the
-    control values), then waits for the arrays that program computed.
+    Where the harness's steps wait for their results (``on_node``, and ``on_mesh`` where this
+    process holds several CPU devices of the mesh), a call dispatches its program, does the host's
+    part (putting the results together, counting the control values), then waits for the arrays
+    that program computed; a call whose program fails there counts nothing.
     ``local_calls`` and ``sync_calls`` count the calls that ran the local program and a
     synchronization's; everything else (``lower``, ``trace``, ``agreement``...) is the general
     program's.
@@ -348,8 +349,8 @@ class SplitLocalSteps:
         self._build, self._step, self._leading = build, step, leading
         self._donate = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
         self._general = build(self._recording(step, None))
-        # the harness's steps wait for their results (a mesh of CPU devices): the calls dispatch
-        # their program, do the host's part, then wait
+        # the harness's steps wait for their results (on_node; on_mesh over several CPU devices):
+        # the calls dispatch their program, do the host's part, then wait
         self._waits = bool(getattr(self._general, "waits", False))
         self._local = build(self._recording(step, LOCAL))
         self._syncs: dict[tuple[int, ...], Callable[..., Any]] = {}  # branches → program
@@ -618,13 +619,22 @@ class SplitLocalSteps:
             self.local_calls += key == LOCAL
             self.sync_calls += key != LOCAL
         after = [control for _, control in steps]
+        chain = None
         if None not in after:  # else the next call reads what this one returned
             arrays = [results[p] for p in plan.returned]
-            self._counted[id(arrays[0])] = (plan, arrays, after)
+            chain = id(arrays[0])
+            self._counted[chain] = (plan, arrays, after)
             if len(self._counted) > CHAINS:
                 self._counted.pop(next(iter(self._counted)))
         if self._waits:
-            jax.block_until_ready(computed)
+            try:
+                jax.block_until_ready(computed)
+            except Exception:  # the program failed (an error a host callback raised): no results
+                self._counted.pop(chain, None)
+                if key is not None:
+                    self.local_calls -= key == LOCAL
+                    self.sync_calls -= key != LOCAL
+                raise
         return out
 
     def lower_local(self, *args: Any) -> Any:
