@@ -74,11 +74,8 @@ def test_a_step_on_an_abstract_mesh_of_cpu_devices_waits():
     np.testing.assert_array_equal(np.asarray(out), 8 * np.ones((8, 3)))
 
 
-def test_every_call_of_a_split_step_on_several_cpu_devices_returns_ready_results():
-    """``split_local_steps`` dispatches its program, does the host's part of the call, then waits:
-    the general, local and synchronization calls all return ready results, as ``on_mesh`` does
-    (without the wait, every call but the first returned before its results were ready: a million
-    parameters per replica take longer than a dispatch)."""
+def _split_local_sgd(**options):
+    """``local_sgd`` (period 3) on 4 CPU devices under ``split_local_steps``, and its ``init``."""
     mesh = jax.make_mesh((4,), (od.REPLICA_AXIS,), devices=jax.devices()[:4])
     tx = od.local_sgd(optax.sgd(0.1), comm=od.AxisComm(od.REPLICA_AXIS), period=3)
 
@@ -86,9 +83,17 @@ def test_every_call_of_a_split_step_on_several_cpu_devices_returns_ready_results
         updates, state = tx.update(grads, state, params)
         return od.apply_updates(params, updates, state), state
 
-    split = od.on_mesh(step, mesh, donate_argnums=(0, 1), split_local_steps=True)
+    return od.on_mesh(step, mesh, split_local_steps=True, **options), od.on_mesh(tx.init, mesh)
+
+
+def test_every_call_of_a_split_step_on_several_cpu_devices_returns_ready_results():
+    """``split_local_steps`` dispatches its program, does the host's part of the call, then waits:
+    the general, local and synchronization calls all return ready results, as ``on_mesh`` does
+    (without the wait, every call but the first returned before its results were ready: a million
+    parameters per replica take longer than a dispatch)."""
+    split, init = _split_local_sgd(donate_argnums=(0, 1))
     params = od.replicate(jnp.linspace(-1.0, 1.0, 1_000_000), 4)
-    state = od.on_mesh(tx.init, mesh)(params)
+    state = init(params)
     for i in range(7):
         params, state = split(params, state, jnp.full((4, 1_000_000), 0.01 * (i + 1)))
         assert all(x.is_ready() for x in jax.tree.leaves((params, state))), i
@@ -98,16 +103,9 @@ def test_every_call_of_a_split_step_on_several_cpu_devices_returns_ready_results
 def test_a_split_call_whose_program_fails_at_the_wait_counts_nothing():
     """The start check's error comes from a host callback, so it surfaces at the call's final
     wait: at that call, which then leaves no control values counted and no call counted."""
-    mesh = jax.make_mesh((4,), (od.REPLICA_AXIS,), devices=jax.devices()[:4])
-    tx = od.local_sgd(optax.sgd(0.1), comm=od.AxisComm(od.REPLICA_AXIS), period=3)
-
-    def step(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return od.apply_updates(params, updates, state), state
-
-    split = od.on_mesh(step, mesh, split_local_steps=True)
+    split, init = _split_local_sgd()
     start = od.replicate(jnp.linspace(-1.0, 1.0, 64), 4)
-    params, state = start, od.on_mesh(tx.init, mesh)(start)
+    params, state = start, init(start)
     for i in range(4):
         params, state = split(params, state, jnp.full((4, 64), 0.01 * (i + 1)))
     counts, counted = (split.local_calls, split.sync_calls), dict(split._counted)
@@ -115,6 +113,6 @@ def test_a_split_call_whose_program_fails_at_the_wait_counts_nothing():
     # through the split harness's own dispatch and wait (not the general program's first call)
     differ = start + jnp.arange(4.0)[:, None]
     with pytest.raises(Exception, match="replicas do not start from identical parameters"):
-        split(differ, od.on_mesh(tx.init, mesh)(differ), jnp.full((4, 64), 0.0))
+        split(differ, init(differ), jnp.full((4, 64), 0.0))
     assert (split.local_calls, split.sync_calls) == counts
     assert split._counted == counted
