@@ -616,8 +616,6 @@ class SplitLocalSteps:
             results = jax.tree.leaves(out)
         else:
             out, results, computed = self._run_fixed(entry, key, args, leaves, treedef)
-            self.local_calls += key == LOCAL
-            self.sync_calls += key != LOCAL
         after = [control for _, control in steps]
         chain = None
         if None not in after:  # else the next call reads what this one returned
@@ -631,10 +629,10 @@ class SplitLocalSteps:
                 jax.block_until_ready(computed)
             except Exception:  # the program failed (an error a host callback raised): no results
                 self._counted.pop(chain, None)
-                if key is not None:
-                    self.local_calls -= key == LOCAL
-                    self.sync_calls -= key != LOCAL
                 raise
+        if key is not None:
+            self.local_calls += key == LOCAL
+            self.sync_calls += key != LOCAL
         return out
 
     def lower_local(self, *args: Any) -> Any:
