@@ -99,3 +99,25 @@ def test_on_mesh_refuses_a_replica_axis_off_the_leading_dimension(spec, bad):
         run({"a": ok, "b": wrong})
     with pytest.raises(ValueError, match=r"argument 1, leaf \(the argument\).*" + bad):
         od.on_mesh(lambda p, q: q, mesh, axis_name=od.REPLICA_AXIS)(ok, wrong)
+
+
+def test_harnesses_refuse_arguments_not_stacked_over_their_replicas():
+    """A leading axis of another length than the replicas' is an error, not a run on some rows:
+    ``on_mesh`` over 4 devices given 8 rows (a multiple of 4, which ``shard_map`` would split 2
+    per device), or 4 rows next to 8; ``simulate`` with a ``shape`` that does not match."""
+    mesh = jax.make_mesh((N,), (od.REPLICA_AXIS,), devices=jax.devices()[:N])
+    double = od.on_mesh(lambda p, q: (p, q), mesh)
+    fine = jnp.zeros((N, 2))
+    np.testing.assert_array_equal(double(fine, fine)[0], fine)
+    stacked = r"has shape \(8, 2\); every argument must be stacked over the 4 replicas"
+    with pytest.raises(ValueError, match=r"argument 1, leaf \['w'\] " + stacked):
+        double(fine, {"w": jnp.zeros((2 * N, 2))})
+    with pytest.raises(ValueError, match=r"argument 0, leaf \(the argument\) has shape \(8, 2\)"):
+        od.on_mesh(lambda p: p, mesh, split_local_steps=True)(jnp.zeros((2 * N, 2)))
+    nested = od.simulate(lambda p: p, axis_name=("node", "local"), shape=(2, 2))
+    with pytest.raises(ValueError, match=r"simulate over \{'node': 2, 'local': 2\}: argument 0.* \(8,\)"):
+        nested(jnp.zeros(2 * N))
+    with pytest.raises(ValueError, match=r"shape=\(2, 4\) must give one positive int size per axis"):
+        od.simulate(lambda p: p, shape=(2, 4))
+    with pytest.raises(ValueError, match=r"needs shape= with one size per axis"):
+        od.simulate(lambda p: p, axis_name=("node", "local"))

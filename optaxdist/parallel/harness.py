@@ -106,30 +106,45 @@ def simulate(
     Returns:
       A function of stacked arguments returning stacked results.
     """
+    names = _names(axis_name)
+    if shape is not None:
+        shape = tuple(shape)
+        if len(shape) != len(names) or not all(isinstance(k, int) and k >= 1 for k in shape):
+            raise ValueError(f"shape={shape} must give one positive int size per axis of axis_name={names}")
+    elif len(names) > 1:
+        raise ValueError(f"axis_name={names} needs shape= with one size per axis")
     if _split(split_local_steps):
         if not jit:
             raise ValueError("split_local_steps=True needs jit=True (the host picks a compiled program)")
         build = functools.partial(simulate, axis_name=axis_name, shape=shape, donate_argnums=donate_argnums)
         return SplitLocalSteps(build, step, leading=1, donate_argnums=donate_argnums)
-    names = _names(axis_name)
-    if len(names) > 1 and (shape is None or len(shape) != len(names)):
-        raise ValueError(f"axis_name={names} needs shape= with one size per axis, got {shape}")
     mapped = step
     for name in reversed(names):
         mapped = jax.vmap(mapped, axis_name=name)
 
     def run(*args):
+        if shape is not None:
+            _check_stacked(args, math.prod(shape), f"simulate over {dict(zip(names, shape))}")
         if len(names) == 1:
             return mapped(*args)
         n = math.prod(shape)
-        split = jax.tree.map(lambda x: x.reshape(tuple(shape) + x.shape[1:]), args)
-        for leaf in jax.tree.leaves(args):
-            if leaf.shape[:1] != (n,):
-                raise ValueError(f"stacked leading axis must be {n}, got shape {leaf.shape}")
-        out = mapped(*split)
+        out = mapped(*jax.tree.map(lambda x: x.reshape(tuple(shape) + x.shape[1:]), args))
         return jax.tree.map(lambda x: x.reshape((n,) + x.shape[len(names) :]), out)
 
     return _Jitted(run, donate_argnums) if jit else run
+
+
+def _check_stacked(args: tuple, replicas: int, where: str) -> None:
+    """Raise ``ValueError`` unless every argument leaf has ``replicas`` rows on its leading
+    (stacked) axis (checked where the step is traced: shapes are static)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(args):
+        shape = np.shape(leaf)
+        if shape[:1] != (replicas,):
+            raise ValueError(
+                f"{where}: argument {jax.tree_util.keystr(path[:1])[1:-1]}, leaf "
+                f"{jax.tree_util.keystr(path[1:]) or '(the argument)'} has shape {shape}; every "
+                f"argument must be stacked over the {replicas} replicas on its leading axis"
+            )
 
 
 def _on_own_row(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -403,7 +418,10 @@ def on_mesh(
         rest = (P.UNCONSTRAINED,) * (jnp.ndim(x) - 1) if model_axes and not explicit else ()
         return place(x, NamedSharding(mesh, P(names, *rest)))
 
+    sizes = {a: mesh.shape[a] for a in names}
+
     def run(*args):
+        _check_stacked(args, math.prod(sizes.values()), f"on_mesh over the replica axes {sizes}")
         return mapped(*jax.tree.map(placed, args))
 
     many = check_config and jax.process_count() > 1
@@ -485,6 +503,7 @@ def on_node(
     mapped = jax.shard_map(per_device, mesh=hierarchy.mesh, in_specs=spec, out_specs=spec)
 
     def run(*args):
+        _check_stacked(args, hierarchy.local_size, "on_node, this node's replicas")
         return mapped(
             *jax.tree.map(
                 lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(hierarchy.mesh, spec)), args
