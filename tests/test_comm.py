@@ -453,3 +453,12 @@ def test_comm_stats_per_level():
     }
     assert od.comm_stats(ledger, levels=od.AxisComm("replica")) == od.comm_stats(ledger)
     assert od.comm_stats(ledger).by_scope["world"] == od.KindTotals(9, 3 * 32 + 5 * 32 + 4)
+
+
+def test_axis_hierarchy_checks_its_sizes():
+    for bad in (0, -1, 2.5, "2", True):
+        with pytest.raises(ValueError, match=rf"num_nodes={bad!r} must be a positive int"):
+            od.axis_hierarchy(bad, 4)
+        with pytest.raises(ValueError, match=rf"local_size={bad!r} must be a positive int"):
+            od.axis_hierarchy(2, bad)
+    assert od.axis_hierarchy(np.int64(2), 4).num_nodes == 2

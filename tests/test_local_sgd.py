@@ -504,3 +504,44 @@ def test_split_local_steps_computes_the_same(harness):
     # the local program, and the synchronization's, took only what they read and returned only
     # what they change
     assert [p is not None for p in split._pruned.values()] == [True, True]
+
+
+def test_numpy_integers_and_bools_are_hyperparameters_like_python_ones():
+    """A sweep's ``np.arange`` periods and NumPy flags configure a transform as Python ints and
+    bools do."""
+    comm = od.AxisComm("replica")
+    params = od.replicate({"w": jnp.arange(3.0)}, 4)
+    grads = jax.tree.map(lambda x: x * 0 + jnp.arange(4, dtype=x.dtype)[:, None], params)
+
+    def run(tx):
+        def step(p, g):
+            u, s = tx.update(g, tx.init(p), p)
+            return optax.apply_updates(p, u), s
+
+        return od.simulate(step)(params, grads)
+
+    want = run(od.local_sgd(optax.sgd(LR), comm=comm, period=1, average_inner_state=True))
+    got = run(od.local_sgd(optax.sgd(LR), comm=comm, period=np.int64(1), average_inner_state=np.True_))
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match=r"average_inner_state='yes' must be a bool"):
+        od.local_sgd(optax.sgd(LR), comm=comm, period=2, average_inner_state="yes")
+    with pytest.raises(ValueError, match=r"period=np.int64\(0\) must be an int ≥ 1"):
+        od.diloco(optax.sgd(LR), comm=comm, period=np.int64(0))
+    with pytest.raises(ValueError, match=r"period=np.True_ must be an int ≥ 1"):
+        od.diloco(optax.sgd(LR), comm=comm, period=np.True_)
+
+
+def test_a_state_of_another_transform_is_named_as_such():
+    comm = od.AxisComm("replica")
+    params = od.replicate({"w": jnp.arange(3.0)}, 4)
+    local = od.local_sgd(optax.sgd(LR), comm=comm, period=2)
+    diloco = od.diloco(optax.sgd(LR), comm=comm, period=2)
+
+    def update(tx, state):
+        return od.simulate(lambda p, s: tx.update(p, s, p))(params, state)
+
+    with pytest.raises(ValueError, match=r"local_sgd.update: the state's ledger counts .* another transform"):
+        update(local, od.simulate(diloco.init)(params))
+    with pytest.raises(TypeError, match=r"the state is a tuple, not the PeriodicState"):
+        update(diloco, od.simulate(optax.adam(LR).init)(params))

@@ -7,9 +7,11 @@ index on every node (Heat DASO's "MPI group i"); ``world`` is everybody.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from optaxdist.comm.axis import AxisComm
 from optaxdist.comm.base import Communicator
@@ -32,8 +34,7 @@ class Hierarchy(NamedTuple):
 
 
 def _check_split(world_size: int, local_size: int) -> int:
-    if not isinstance(local_size, int) or local_size < 1:
-        raise ValueError(f"local_size={local_size!r} must be a positive int")
+    local_size = _check_size("local_size", local_size)
     if world_size % local_size:
         raise ValueError(
             f"local_size={local_size} does not divide the world size {world_size}: every node "
@@ -42,8 +43,16 @@ def _check_split(world_size: int, local_size: int) -> int:
     return world_size // local_size
 
 
+def _check_size(name: str, value: Any) -> int:
+    """``value`` must be a positive int (Python's or NumPy's, not a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return int(value)
+
+
 def axis_hierarchy(num_nodes: int, local_size: int) -> Hierarchy:
     """Communicators over the axes ``('node', 'local')``, for ``simulate(..., shape=(N, G))``."""
+    num_nodes, local_size = _check_size("num_nodes", num_nodes), _check_size("local_size", local_size)
     return Hierarchy(
         world=AxisComm((NODE_AXIS, LOCAL_AXIS)),
         local=AxisComm(LOCAL_AXIS),

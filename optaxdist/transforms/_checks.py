@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optaxdist.accounting import keep_ledgers
@@ -84,16 +86,17 @@ def check_transformation(name: str, value: Any) -> Any:
 
 
 def check_int(name: str, value: Any, low: int = 0, high: int | None = None) -> int:
-    """``value`` must be an int (not a bool) in ``[low, high)``."""
+    """``value`` must be an integer (a Python or NumPy int, not a bool) in ``[low, high)``;
+    returned as a Python int."""
     if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
+        isinstance(value, (bool, np.bool_))
+        or not isinstance(value, numbers.Integral)
         or value < low
         or (high is not None and value >= high)
     ):
         allowed = f"≥ {low}" if high is None else f"in [{low}, {high})"
         raise ValueError(f"{name}={value!r} must be an int {allowed}")
-    return value
+    return int(value)
 
 
 def check_number(
@@ -125,9 +128,9 @@ def check_number(
 
 
 def check_bools(**flags: Any) -> None:
-    """Every flag must be a bool."""
+    """Every flag must be a bool (Python's or NumPy's)."""
     for name, flag in flags.items():
-        if not isinstance(flag, bool):
+        if not isinstance(flag, (bool, np.bool_)):
             raise ValueError(f"{name}={flag!r} must be a bool")
 
 

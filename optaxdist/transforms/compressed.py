@@ -307,7 +307,7 @@ def exact_warmup(
         ``diloco``, ``powersgd``, ...): steps counted from the first update.
       dtype: wire dtype of the exact all-reduce (None: the gradient's dtype).
     """
-    check_warmup_steps(warmup_steps)
+    warmup_steps = check_warmup_steps(warmup_steps)
     exact = allreduce(comm=comm, dtype=dtype)
     compressed = optax.with_extra_args_support(compressed)
 

@@ -470,17 +470,14 @@ def daso(
     """
     check_comm("local_comm", local_comm)
     check_comm("cross_comm", cross_comm)
-    for name, value, low in (
-        ("steps_per_epoch", steps_per_epoch, 1),
-        ("total_epochs", total_epochs, 1),
-        ("warmup_epochs", warmup_epochs, 0),
-        ("cooldown_epochs", cooldown_epochs, 0),
-        ("max_global_skips", max_global_skips, 1),
-        ("skip_reduction_factor", skip_reduction_factor, 2),
-        ("local_skip_factor", local_skip_factor, 1),
-        ("plateau_patience", plateau_patience, 0),
-    ):
-        check_int(name, value, low)
+    steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, 1)
+    total_epochs = check_int("total_epochs", total_epochs, 1)
+    warmup_epochs = check_int("warmup_epochs", warmup_epochs, 0)
+    cooldown_epochs = check_int("cooldown_epochs", cooldown_epochs, 0)
+    max_global_skips = check_int("max_global_skips", max_global_skips, 1)
+    skip_reduction_factor = check_int("skip_reduction_factor", skip_reduction_factor, 2)
+    local_skip_factor = check_int("local_skip_factor", local_skip_factor, 1)
+    plateau_patience = check_int("plateau_patience", plateau_patience, 0)
     if max_global_skips // local_skip_factor < 1:
         raise ValueError(
             f"max_global_skips={max_global_skips} < local_skip_factor={local_skip_factor} gives "

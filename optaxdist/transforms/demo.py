@@ -209,8 +209,8 @@ def demo(
     if not callable(learning_rate):
         check_number("learning_rate", learning_rate, 0, open_low=True, open_high=True)
     check_number("momentum_decay", momentum_decay, 0.0, 1.0, open_high=True)
-    check_int("chunk_size", chunk_size, 2)
-    check_int("k", k, 1, chunk_size * chunk_size + 1)
+    chunk_size = check_int("chunk_size", chunk_size, 2)
+    k = check_int("k", k, 1, chunk_size * chunk_size + 1)
     check_bools(sign=sign)
     check_number("weight_decay", weight_decay, 0.0, open_high=True)
     check_nonfinite(nonfinite)

@@ -167,16 +167,16 @@ def des_loc(
       Iacob, Sani, Safaryan et al., "DES-LOC: Desynced Low Communication Adaptive Optimizers for
       Training Foundation Models", arXiv:2505.22549, 2025 (ICLR 2026).
     """
-    check_int("period", period, 1)
+    period = check_int("period", period, 1)
     if not isinstance(state_periods, Mapping):
         raise TypeError(
             f"state_periods must map state field names to periods, e.g. {{'mu': {3 * period}, "
             f"'nu': {6 * period}}} for Adam; got {type(state_periods).__name__}"
         )
-    for name, p in state_periods.items():
+    for name in state_periods:
         if not isinstance(name, str):
             raise TypeError(f"state_periods keys are state field names (str), got {name!r}")
-        check_int(f"state_periods[{name!r}]", p, 1)
+    state_periods = {name: check_int(f"state_periods[{name!r}]", p, 1) for name, p in state_periods.items()}
     check_comm("comm", comm)
     wire = canonical_comm_dtype(dtype)
     names = tuple(state_periods)

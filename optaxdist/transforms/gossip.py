@@ -37,7 +37,7 @@ def _check(comm, topology: Topology, average_period: int | None) -> None:
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be an optaxdist.topology.Topology, got {topology!r}")
     if average_period is not None:
-        check_int("average_period", average_period, 1)
+        average_period = check_int("average_period", average_period, 1)
 
 
 def _check_size(comm: Communicator, topology: Topology) -> None:

@@ -13,7 +13,7 @@ import optax
 from optaxdist.accounting import Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_comm, check_int
+from optaxdist.transforms._checks import check_bools, check_comm, check_int
 from optaxdist.transforms.periodic import Sync, SyncInput, every_leaf, periodic, periodic_states
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2
@@ -110,10 +110,13 @@ def local_sgd(
       "SlowMo", ICLR 2020 (fairscale LocalSGD). PyTorch ``PeriodicModelAverager``,
       ``HierarchicalModelAverager``.
     """
-    check_int("period", period, 1)
+    period = check_int("period", period, 1)
+    check_bools(average_inner_state=average_inner_state)
     if (local_comm is None) != (local_period is None):
         raise ValueError("give both local_comm and local_period for hierarchical averaging, or neither")
-    if local_period is not None and period % check_int("local_period", local_period, 1):
+    if local_period is not None:
+        local_period = check_int("local_period", local_period, 1)
+    if local_period is not None and period % local_period:
         raise ValueError(f"local_period={local_period!r} must divide period={period}")
     check_comm("comm", comm)
     if local_comm is not None:

@@ -110,7 +110,7 @@ def dynamic_loss_scale(
       Micikevicius et al., "Mixed Precision Training", ICLR 2018. mlbench ``FP16Optimizer``;
       PyTorch ``torch.amp.GradScaler``; Flax ``DynamicScale``.
     """
-    check_int("growth_interval", growth_interval, 1)
+    growth_interval = check_int("growth_interval", growth_interval, 1)
     check_number("init_scale", init_scale, 0, open_low=True)
     check_number("growth_factor", growth_factor, 1)
     check_number("backoff_factor", backoff_factor, 0, 1, open_low=True, open_high=False)

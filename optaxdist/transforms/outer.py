@@ -274,10 +274,10 @@ def outer_sync(
       arXiv:2311.08105; "Streaming DiLoCo with overlapping communication: Towards a Distributed
       Free Lunch", arXiv:2501.18512.
     """
-    check_int("period", period, 1)
+    period = check_int("period", period, 1)
     check_comm("comm", comm)
     if num_shards is not None:
-        check_int("num_shards", num_shards, 1)
+        num_shards = check_int("num_shards", num_shards, 1)
         if reducer is not None or dtype is not None:
             raise ValueError("num_shards (memory-efficient mode) can't be combined with a reducer or a dtype")
     if model_sharding is not None:
@@ -290,7 +290,8 @@ def outer_sync(
                 "model_sharding is for the num_shards (memory-efficient) mode; the default mode's anchors "
                 "and outer state are elementwise and stay split like the parameters without it"
             )
-    if check_int("num_fragments", num_fragments, 1) and period % num_fragments:
+    num_fragments = check_int("num_fragments", num_fragments, 1)
+    if period % num_fragments:
         raise ValueError(f"num_fragments={num_fragments!r} must divide period={period}")
     stride = period // num_fragments
     if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < stride:

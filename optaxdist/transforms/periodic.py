@@ -261,7 +261,7 @@ def periodic(
     ``Schedule.plan`` gives it: no switch, so the update fuses with what follows.
     """
     check_transformation("inner", inner)
-    check_warmup_steps(warmup_steps)
+    warmup_steps = check_warmup_steps(warmup_steps)
     check_comm("comm", comm)
     check_nonfinite(nonfinite)
     check_bools(check_start=check_start, exact_sync=exact_sync, averages_inner_state=averages_inner_state)
@@ -294,6 +294,18 @@ def periodic(
     def update_fn(updates, state, params=None, **extra):
         if params is None:
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
+        if not isinstance(state, PeriodicState):
+            raise TypeError(
+                f"{name}.update: the state is a {type(state).__name__}, not the PeriodicState "
+                f"{name}.init returns"
+            )
+        declared = tuple(all_kinds(params, state.inner_state))
+        if state.ledger.kinds != declared:
+            raise ValueError(
+                f"{name}.update: the state's ledger counts {list(state.ledger.kinds)}, but {name} as "
+                f"configured sends {list(declared)}: a state made by another transform or configuration, "
+                "or for parameters of other dtypes"
+            )
         bodies = tuple(syncs(params) if callable(syncs) else syncs)
         t = comm.uniform(state.step)  # keeps the switch a branch under simulate
         s = t - warmup_steps

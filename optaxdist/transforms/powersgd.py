@@ -253,11 +253,11 @@ def powersgd(
       ddp_comm_hooks.powerSGD_hook``; mlbench ``PowerSGD`` / ``PowerAggregation``.
     """
     check_comm("comm", comm)
-    check_int("rank", rank, 1)
-    check_warmup_steps(warmup_steps)
+    rank = check_int("rank", rank, 1)
+    warmup_steps = check_warmup_steps(warmup_steps)
     check_number("min_compression_rate", min_compression_rate, 0, open_low=True, open_high=True)
     check_number("orthogonalization_epsilon", orthogonalization_epsilon, 0, open_high=True)
-    check_int("seed", seed, 0, 2**32)
+    seed = check_int("seed", seed, 0, 2**32)
     check_bools(
         error_feedback=error_feedback,
         warm_start=warm_start,

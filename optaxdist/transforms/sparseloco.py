@@ -119,7 +119,7 @@ def sparseloco(
             "pack_small_leaves=True can't be combined with model_sharding (each device compresses its "
             "own blocks of each leaf); leave it None or False"
         )
-    check_int("k", k, low=1)
+    k = check_int("k", k, low=1)
     if value_bits is not None and k % (8 // value_bits):
         raise ValueError(
             f"k={k} must be a multiple of {8 // value_bits} at value_bits={value_bits} (whole bytes "
