@@ -43,6 +43,7 @@ def _orbax():
 
 
 _STATE, _DESC = "state", "structure"
+_SHOWN = 12  # differences a mismatch error lists
 _RANK_DIR = re.compile(r"^rank(\d+)-of-(\d+)$")
 
 
@@ -50,15 +51,35 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint was written by another configuration than the one restoring it."""
 
 
-def describe(tree: PyTree) -> dict:
+def describe(tree: PyTree, *, graphdef: Any = None) -> dict:
     """A JSON-able description of ``tree``: the tree structure (state classes, dict keys, ledgers'
-    kinds and payloads) and, per leaf, its path, shape and dtype."""
+    kinds and payloads) and, per leaf, its path, shape and dtype. With ``graphdef`` (the Flax NNX
+    ``GraphDef`` of an ``nnx.State`` ``tree``), also the pytree nodes it holds: the optimizer
+    state's classes and ledgers, which ``nnx.State`` flattens away."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return {
+    out = {
         "format": FORMAT,
         "treedef": str(jax.tree.structure(tree)),
         "leaves": [[jax.tree_util.keystr(p), list(np.shape(x)), _dtype_name(x)] for p, x in leaves],
     }
+    if graphdef is not None:
+        out["pytrees"] = _graph_pytrees(graphdef)
+    return out
+
+
+def _graph_pytrees(graphdef: Any) -> list[str]:
+    """The structures (``PyTreeDef``) of the pytree nodes in an NNX ``GraphDef``, in its order."""
+    nodes = getattr(graphdef, "nodes", None)
+    if not isinstance(nodes, list):
+        raise TypeError(
+            f"graphdef must be a flax.nnx GraphDef (from nnx_replicate), got {type(graphdef).__name__}"
+        )
+    found = []
+    for node in nodes:
+        metadata = getattr(node, "metadata", None)
+        if isinstance(metadata, tuple):
+            found += [str(x) for x in metadata if isinstance(x, jax.tree_util.PyTreeDef)]
+    return found
 
 
 def _dtype_name(x) -> str:
@@ -98,29 +119,37 @@ def check_description(saved: dict, expected: dict, *, replicas: int | None = Non
     if problems:
         shapes = [(got[p][0], want[p][0]) for p in want if p in got]
         if shapes and all(g[1:] == w[1:] and g[:1] != w[:1] for g, w in shapes if g and w):
-            problems.append(
+            problems.insert(
+                0,
                 "the leading (replica) axes differ: a checkpoint of another world size is read with "
-                "restore_stacked and mapped with resize_replicas"
+                "restore_stacked and mapped with resize_replicas",
             )
-        raise CheckpointMismatchError(
-            "checkpoint written by another configuration:\n  " + "\n  ".join(problems[:12])
-        )
-    if saved["treedef"] != expected["treedef"]:
-        raise CheckpointMismatchError(
-            "checkpoint written by another configuration: the tree structure differs (state classes, "
-            "field names or ledger kinds/payloads):\n  "
-            + _first_difference(saved["treedef"], expected["treedef"])
-        )
+        if len(problems) > _SHOWN:
+            problems[_SHOWN:] = [f"... and {len(problems) - _SHOWN} more"]
+        listed = "\n  ".join(problems)
+        raise CheckpointMismatchError(f"checkpoint written by another configuration:\n  {listed}")
+    structures = [(saved["treedef"], expected["treedef"])]
+    if "pytrees" in saved and "pytrees" in expected:  # NNX: the optimizer state's own structure
+        structures.append(("\n".join(saved["pytrees"]), "\n".join(expected["pytrees"])))
+    for theirs, ours in structures:
+        if theirs != ours:
+            raise CheckpointMismatchError(
+                "checkpoint written by another configuration: the tree structure differs (state "
+                "classes, field names or ledger kinds/payloads):\n  " + _first_difference(theirs, ours)
+            )
 
 
-def save_checkpoint(manager: ocp.CheckpointManager, step: int, tree: PyTree, **kwargs: Any) -> bool:
+def save_checkpoint(
+    manager: ocp.CheckpointManager, step: int, tree: PyTree, *, graphdef: Any = None, **kwargs: Any
+) -> bool:
     """``manager.save(step, ...)`` of ``tree`` (stacked or global arrays, or one MPI rank's row)
     with its ``describe`` description. Returns what ``manager.save`` returns; call
-    ``manager.wait_until_finished()`` before exiting."""
+    ``manager.wait_until_finished()`` before exiting. For a Flax NNX state pass its ``graphdef``
+    (from ``nnx_replicate``), here and to ``restore_checkpoint``: ``nnx.State`` keeps no ledger
+    kinds or state classes, the graphdef does."""
     ocp = _orbax()
-    args = ocp.args.Composite(
-        **{_STATE: ocp.args.StandardSave(tree), _DESC: ocp.args.JsonSave(describe(tree))}
-    )
+    description = describe(tree, graphdef=graphdef)
+    args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(tree), _DESC: ocp.args.JsonSave(description)})
     return manager.save(step, args=args, **kwargs)
 
 
@@ -158,13 +187,17 @@ def _step(manager: ocp.CheckpointManager, step: int | None) -> int:
     return step
 
 
-def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, like: PyTree) -> PyTree:
+def restore_checkpoint(
+    manager: ocp.CheckpointManager, step: int | None, like: PyTree, *, graphdef: Any = None
+) -> PyTree:
     """Restore ``step`` (None: the latest) with the structure, dtypes and shardings of ``like``.
 
     ``like`` is what a fresh run would start from: e.g. ``(params, opt_state)`` after
     ``init`` on the same harness (stacked arrays under ``simulate``, global sharded arrays under
     ``on_mesh``, one rank's row under MPI), or its ``jax.eval_shape``. Leaves without a sharding
-    (NumPy arrays, ``ShapeDtypeStruct`` without one) come back as NumPy arrays.
+    (NumPy arrays, ``ShapeDtypeStruct`` without one) come back as NumPy arrays. ``graphdef``: a
+    Flax NNX state's (``like`` an ``nnx.State``), as given to ``save_checkpoint``; the state
+    classes and ledgers it holds are compared with the checkpoint's where both have them.
 
     Raises:
       CheckpointMismatchError: the checkpoint holds another tree (structure, state classes,
@@ -172,7 +205,7 @@ def restore_checkpoint(manager: ocp.CheckpointManager, step: int | None, like: P
     """
     ocp = _orbax()
     step = _step(manager, step)
-    check_description(_read_description(manager, step), describe(like))
+    check_description(_read_description(manager, step), describe(like, graphdef=graphdef))
     target = abstract_like(like)
     leaves = jax.tree.leaves(target)
     if leaves and all(x.sharding is not None for x in leaves):

@@ -301,3 +301,17 @@ def test_resume_under_jax_distributed(names, tmp_path):
     row = jax.eval_shape(lambda p: (p, tx.init(p)), params_row())
     params, _ = od.restore_stacked(tmp_path / names[0], K, row)
     assert params["w"].shape == (4, 3, 2)
+
+
+def test_a_world_size_mismatch_leads_with_the_resize_hint_however_many_leaves_differ():
+    from optaxdist.checkpoint import check_description, describe
+
+    def state(replicas):
+        return {f"w{i:02d}": np.zeros((replicas, 3), np.float32) for i in range(20)}
+
+    with pytest.raises(od.CheckpointMismatchError) as info:
+        check_description(describe(state(4)), describe(state(8)))
+    lines = str(info.value).splitlines()
+    assert "resize_replicas" in lines[1]
+    assert lines[-1].strip() == "... and 9 more"  # 20 leaves and the hint, 12 shown
+    assert len(lines) == 1 + 12 + 1

@@ -289,3 +289,27 @@ def test_nnx_example_script_runs():
 def test_linen_example_script_runs_on_mesh():
     out = _script(["examples/linen_trainstate.py", "--steps", "20", "--harness", "mesh"])
     assert "sent per replica: 20 collectives" in out
+
+
+def test_nnx_checkpoint_with_its_graphdef_refuses_another_ledger(tmp_path):
+    """``nnx.State`` flattens the optimizer state's classes and ledgers away: with the graphdef
+    the checkpoint keeps them, and a run whose ledger differs (another wire dtype) is refused."""
+    import orbax.checkpoint as ocp
+
+    def replicated(dtype):
+        model = _Mlp(nnx.Rngs(0))
+        tx = od.diloco(optax.adam(1e-2), comm=od.AxisComm(od.REPLICA_AXIS), period=3, dtype=dtype)
+        return od.nnx_replicate((model, nnx.Optimizer(model, tx, wrt=nnx.Param)), N)
+
+    graphdef, state = replicated(None)
+    with ocp.CheckpointManager(tmp_path) as manager:
+        od.save_checkpoint(manager, 1, state, graphdef=graphdef)
+        manager.wait_until_finished()
+        restored = od.restore_checkpoint(manager, 1, replicated(None)[1], graphdef=graphdef)
+        np.testing.assert_array_equal(jax.tree.leaves(restored)[0], jax.tree.leaves(state)[0])
+        other_graphdef, other = replicated("bfloat16")
+        assert jax.tree.structure(other) == jax.tree.structure(state)  # the state alone can't tell
+        with pytest.raises(od.CheckpointMismatchError, match=r"CommLedger\[\(\('all_reduce\[float32\]'"):
+            od.restore_checkpoint(manager, 1, other, graphdef=other_graphdef)
+    with pytest.raises(TypeError, match="graphdef must be a flax.nnx GraphDef"):
+        od.save_checkpoint(None, 1, state, graphdef=object())
