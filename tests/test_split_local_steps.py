@@ -12,6 +12,7 @@ synchronization run by the local program would be off by far more).
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, NamedTuple
 
 import jax
@@ -171,8 +172,9 @@ def test_non_finite_gradients_are_skipped_in_the_local_program(name):
     build, _, exact = CASES[name]
     tx = build(od.AxisComm(REPLICA), "skip")
     grads = _grads(8)
-    for t, replica, bad in ((2, 1, jnp.nan), (3, 5, jnp.inf)):
+    for t, replica, bad in ((2, 1, jnp.nan), (3, N - 1, jnp.inf)):
         grads[t] = {**grads[t], "w": grads[t]["w"].at[replica, 0, 0].set(bad)}
+        assert not np.isfinite(np.asarray(grads[t]["w"][replica, 0, 0]))
     expected = _run(od.simulate(_step(tx)), tx, grads)
     split = od.simulate(_step(tx), split_local_steps=True)
     got = _run(split, tx, grads)
@@ -364,7 +366,10 @@ def test_updates_the_harness_cannot_see_run_the_general_program():
 
 @pytest.mark.parametrize("where, nonfinite", [("simulate", "ignore"), ("mesh", "ignore"), ("mesh", "skip")])
 def test_the_local_program_has_no_collective_and_no_conditional(where, nonfinite):
-    """Compiled: no collective, no host callback, and no conditional (the guard selects)."""
+    """Compiled: no collective, no host callback, and no conditional (the guard selects). Under
+    ``simulate`` a collective is a reduction over the stacked replicas: the synchronization's
+    average reduces the parameters' floats, the local program reduces none (its counter's
+    ``pmax`` reduces an int)."""
     tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite=nonfinite)
     params = _params()
     if where == "simulate":
@@ -383,6 +388,9 @@ def test_the_local_program_has_no_collective_and_no_conditional(where, nonfinite
     assert conditional in compiled["general"]
     assert where == "simulate" or any(c in compiled["general"] for c in collective)
     assert not any(c in compiled["local"] for c in collective)
+    averaged = re.compile(r"\bf32\[[\d,]*\](\{[\d,]*\})? reduce\(")
+    if where == "simulate":
+        assert averaged.search(compiled["general"]) and not averaged.search(compiled["local"])
     assert "custom-call" in compiled["general"] and "custom-call" not in compiled["local"]  # start check
     assert conditional not in compiled["local"]
 
@@ -704,11 +712,12 @@ def test_no_result_shares_a_buffer_the_caller_still_holds():
 
 def test_a_model_split_argument_gets_the_whole_local_program():
     """Arguments split over a mesh axis beyond the replicas' (a model axis): the harness places
-    results like arguments, so the local program takes and returns every leaf."""
+    results like arguments, so the local program takes and returns every leaf, even donated (a
+    pruned program would hand the anchors back as they came)."""
     tx = od.diloco(_momentum(), comm=od.AxisComm(REPLICA), period=5, nonfinite="ignore")
     auto = (jax.sharding.AxisType.Auto,) * 2  # the model axis left to the compiler
     mesh = jax.make_mesh((N, 2), (REPLICA, "model"), devices=jax.devices()[: 2 * N], axis_types=auto)
-    split = od.on_mesh(_step(tx), mesh, axis_name=REPLICA, split_local_steps=True)
+    split = od.on_mesh(_step(tx), mesh, axis_name=REPLICA, donate_argnums=(0, 1), split_local_steps=True)
     place = {"w": P(REPLICA, None, "model"), "b": P(REPLICA, "model")}
     params = {k: jax.device_put(v, NamedSharding(mesh, place[k])) for k, v in _params().items()}
     state = od.on_mesh(tx.init, mesh, axis_name=REPLICA)(params)
@@ -809,6 +818,11 @@ def test_counters_beyond_a_table_and_at_saturation(start, monkeypatch):
     split = od.simulate(_step(tx), split_local_steps=True)
     _assert_same_bits(expected, _run(split, tx, grads, params, state))
     assert split.local_calls > 6
+    ((table,),) = (entry.plan.tables for entry in split._entries.values())
+    if start == 4090:  # 12 steps from 4090: the table was cleared past 8, the last refill kept
+        assert sorted(table) == [(4099,), (4100,), (4101,), (4102,)]
+    else:  # saturated: the maximum steps to itself
+        assert max(table) == (np.iinfo(np.int32).max,) and len(table) < 8
 
 
 @pytest.mark.slow  # two signatures in the default run: test_runs_of_two_sizes_keep_their_own_results

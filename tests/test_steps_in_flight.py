@@ -74,12 +74,22 @@ def test_a_step_on_an_abstract_mesh_of_cpu_devices_waits():
     np.testing.assert_array_equal(np.asarray(out), 8 * np.ones((8, 3)))
 
 
-def _split_local_sgd(**options):
-    """``local_sgd`` (period 3) on 4 CPU devices under ``split_local_steps``, and its ``init``."""
+def _refuse_large(grads: np.ndarray) -> np.ndarray:
+    """A host check of a replica's gradients (the user's, in the step)."""
+    if np.abs(grads).max() > 1.0:
+        raise ValueError("gradient too large")
+    return np.zeros((), np.float32)
+
+
+def _split_local_sgd(check: bool = False, **options):
+    """``local_sgd`` (period 3) on 4 CPU devices under ``split_local_steps``, and its ``init``. With
+    ``check`` the step checks its gradients on the host (``_refuse_large``) in every program."""
     mesh = jax.make_mesh((4,), (od.REPLICA_AXIS,), devices=jax.devices()[:4])
     tx = od.local_sgd(optax.sgd(0.1), comm=od.AxisComm(od.REPLICA_AXIS), period=3)
 
     def step(params, state, grads):
+        if check:
+            grads = grads + jax.pure_callback(_refuse_large, jax.ShapeDtypeStruct((), jnp.float32), grads)
         updates, state = tx.update(grads, state, params)
         return od.apply_updates(params, updates, state), state
 
@@ -101,17 +111,23 @@ def test_every_call_of_a_split_step_on_several_cpu_devices_returns_ready_results
 
 
 def test_a_split_call_whose_program_fails_at_the_wait_counts_nothing():
-    """The start check's error comes from a host callback, so it surfaces at the call's final
-    wait: at that call, which then leaves no control values counted and no call counted."""
-    split, init = _split_local_sgd()
+    """A host callback's error surfaces at the call's final wait: at a local call (the step's own
+    check of its gradients) and at a general one (the start check). Neither leaves a call or
+    control values counted."""
+    split, init = _split_local_sgd(check=True)
     start = od.replicate(jnp.linspace(-1.0, 1.0, 64), 4)
-    params, state = start, init(start)
-    for i in range(4):
-        params, state = split(params, state, jnp.full((4, 64), 0.01 * (i + 1)))
+    params, state = split(start, init(start), jnp.full((4, 64), 0.01))  # the general program
+    before = (split.local_calls, split.sync_calls), dict(split._counted)
+    split(params, state, jnp.full((4, 64), 0.02))
+    assert (split.local_calls, split.sync_calls) == (before[0][0] + 1, before[0][1])  # a local call
     counts, counted = (split.local_calls, split.sync_calls), dict(split._counted)
+    with pytest.raises(Exception, match="gradient too large"):
+        split(params, state, jnp.full((4, 64), 2.0))  # the same local call, failing
+    assert (split.local_calls, split.sync_calls) == counts
+    assert split._counted == counted
     # a new run with the first run's signature: the harness knows its plan, so the call goes
     # through the split harness's own dispatch and wait (not the general program's first call)
-    differ = start + jnp.arange(4.0)[:, None]
+    differ = start + jnp.arange(4.0)[:, None] * 0.1
     with pytest.raises(Exception, match="replicas do not start from identical parameters"):
         split(differ, init(differ), jnp.full((4, 64), 0.0))
     assert (split.local_calls, split.sync_calls) == counts
