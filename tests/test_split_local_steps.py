@@ -898,3 +898,32 @@ def test_flax_nnx_runs_the_local_program():
         results.append((state, loss))
     _assert_same_bits(*results)
     assert step.local_calls == 12 - 1 - 2  # not t = 0 (start check), nor the syncs at 4, 9
+
+
+def test_a_general_call_leaves_the_kept_results_of_other_states_alone():
+    """The results the host keeps (DASO's constant flags) are the same arrays in every state a
+    call returned. Two runs taking turns: a call that runs the general program and donates (an
+    epoch's end) consumes copies of them, never the arrays the other run's state holds."""
+    h = od.axis_hierarchy(2, 2)
+    tx = od.daso(
+        _momentum(),
+        local_comm=h.local,
+        cross_comm=h.cross,
+        steps_per_epoch=4,
+        total_epochs=3,
+        warmup_epochs=1,
+        cooldown_epochs=0,
+        nonfinite="ignore",
+    )
+    wrap = functools.partial(od.simulate, axis_name=("node", "local"), shape=(2, 2))
+    split = wrap(_loss_step(tx), donate_argnums=(0, 1), split_local_steps=True)
+    loss = jnp.ones(N)
+    runs = [(params, wrap(tx.init)(params)) for params in (_params(), _params())]
+    shared = False
+    for g in _grads(12):
+        for turn in (0, 1):
+            runs[turn] = split(*runs[turn], g, loss)
+            other = jax.tree.leaves(runs[1 - turn])
+            assert not any(x.is_deleted() for x in other)
+            shared |= any(id(x) in split._kept for x in other)
+    assert shared and split.sync_calls > 0
