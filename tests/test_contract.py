@@ -335,3 +335,25 @@ def test_donating_params_and_state_changes_no_number(name, where):
         results.append(jax.tree.leaves((p, s)))
     for a, b in zip(*results, strict=True):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
+# transforms whose update checks the kind of its state (the others are chains of these and optax's)
+STATE_CHECKED = [
+    "allreduce",
+    "averaged_iterate",
+    "compressed_top_k",
+    "daso",
+    "demo",
+    "diloco",
+    "dynamic_loss_scale",
+    "exact_warmup",
+    "local_sgd",
+    "powersgd",
+]
+
+
+@pytest.mark.parametrize("name", STATE_CHECKED)
+def test_a_state_of_another_kind_is_named(name):
+    tx = TRANSFORMS[name][0]()
+    with pytest.raises(TypeError, match=r"\.update: the state is a EmptyState, not the \w+State"):
+        od.simulate(lambda p: tx.update(p, optax.EmptyState(), p))(stacked(make_params()))

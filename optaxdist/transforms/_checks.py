@@ -78,6 +78,16 @@ def check_comm(name: str, comm: Any) -> Communicator:
     return comm
 
 
+def check_state(transform: str, state: Any, kind: type) -> None:
+    """``TypeError`` unless ``state`` is the ``kind`` of state ``transform``'s ``init`` returns (not
+    another transform's, nor a whole chain's: ``optax.chain`` hands each its own part)."""
+    if not isinstance(state, kind):
+        raise TypeError(
+            f"{transform}.update: the state is a {type(state).__name__}, not the {kind.__name__} "
+            f"{transform}.init returns"
+        )
+
+
 def check_transformation(name: str, value: Any) -> Any:
     """``TypeError`` unless ``value`` is an optax gradient transformation (``init`` and ``update``)."""
     if not (callable(getattr(value, "init", None)) and callable(getattr(value, "update", None))):

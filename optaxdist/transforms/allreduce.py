@@ -18,7 +18,7 @@ import optax
 from optaxdist.accounting import CommLedger, kind_name, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
-from optaxdist.transforms._checks import check_comm, check_number
+from optaxdist.transforms._checks import check_comm, check_number, check_state
 
 REDUCE_OPS = ("mean", "sum", "custom")
 
@@ -102,6 +102,7 @@ def allreduce(
         return AllReduceState(CommLedger.create({kind: payload_bytes(params, wire_dtype)}))
 
     def update_fn(updates, state, params=None, *, denominator=None, **extra):
+        check_state("allreduce", state, AllReduceState)
         del params, extra
         if op == "custom":
             if denominator is None:

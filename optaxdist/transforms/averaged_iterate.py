@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from optaxdist.agreement import configured
-from optaxdist.transforms._checks import find_states
+from optaxdist.transforms._checks import check_state, find_states
 
 
 class AveragedIterateState(NamedTuple):
@@ -50,6 +50,7 @@ def averaged_iterate(shift: float) -> optax.GradientTransformationExtraArgs:
         )
 
     def update_fn(updates, state, params=None, **extra):
+        check_state("averaged_iterate", state, AveragedIterateState)
         del extra
         if params is None:
             raise ValueError("averaged_iterate needs params: call update(updates, state, params)")

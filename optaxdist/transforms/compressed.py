@@ -14,7 +14,7 @@ from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, divides_first, refuse_all_to_all
 from optaxdist.compress.base import Compressor
 from optaxdist.sharding import ModelSharding, by_split_axes
-from optaxdist.transforms._checks import check_comm, check_number, check_warmup_steps
+from optaxdist.transforms._checks import check_comm, check_number, check_state, check_warmup_steps
 from optaxdist.transforms.allreduce import allreduce
 
 SCOPES = ("leaf", "model")
@@ -194,6 +194,7 @@ def compressed_allreduce(
         )
 
     def update_fn(updates, state, params=None, **extra):
+        check_state("compressed_allreduce", state, CompressedAllReduceState)
         del params, extra
         trees = (updates, state.error) if error_feedback else (updates,)
         if model_sharding is None:
@@ -319,6 +320,7 @@ def exact_warmup(
         )
 
     def update_fn(updates, state, params=None, **extra):
+        check_state("exact_warmup", state, ExactWarmupState)
         step = comm.uniform(state.step)  # keeps the choice a branch under simulate
 
         # Both branches mark their outputs per-replica so they have the same type on a mesh.

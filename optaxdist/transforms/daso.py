@@ -32,6 +32,7 @@ from optaxdist.transforms._checks import (
     check_int,
     check_nonfinite,
     check_number,
+    check_state,
     local_step,
 )
 from optaxdist.transforms.local_program import Schedule, mark_flags, next_update, record
@@ -616,6 +617,7 @@ def daso(
         return jax.lax.switch(index, [lambda o, f=f: vary(f(o)) for f in fns], operand)
 
     def update_fn(updates, state, params=None, *, value=None, **extra):
+        check_state("daso", state, DasoState)
         if params is None:
             raise ValueError("daso needs params: call update(updates, state, params, value=loss)")
         G, N = local_comm.size, cross_comm.size

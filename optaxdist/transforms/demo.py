@@ -22,6 +22,7 @@ from optaxdist.transforms._checks import (
     check_int,
     check_nonfinite,
     check_number,
+    check_state,
 )
 
 F32 = jnp.float32
@@ -236,6 +237,7 @@ def demo(
         )
 
     def update_fn(updates, state, params=None, **extra):
+        check_state("demo", state, DemoState)
         del extra
         if weight_decay and params is None:
             raise ValueError("demo(weight_decay>0) needs params in update")

@@ -23,6 +23,7 @@ from optaxdist.transforms._checks import (
     check_comm,
     check_int,
     check_number,
+    check_state,
     find_states,
 )
 
@@ -132,6 +133,7 @@ def dynamic_loss_scale(
         )
 
     def update_fn(updates, state, params=None, **extra):
+        check_state("dynamic_loss_scale", state, DynamicLossScaleState)
         scale = state.loss_scale
         unscaled = jax.tree.map(lambda g: (g.astype(jnp.float32) / scale).astype(g.dtype), updates)
         new_updates, new_inner = inner.update(unscaled, state.inner_state, params, **extra)

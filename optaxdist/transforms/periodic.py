@@ -35,6 +35,7 @@ from optaxdist.transforms._checks import (
     check_bools,
     check_comm,
     check_nonfinite,
+    check_state,
     check_transformation,
     check_warmup_steps,
     find_states,
@@ -294,11 +295,7 @@ def periodic(
     def update_fn(updates, state, params=None, **extra):
         if params is None:
             raise ValueError(f"{name} needs params: call update(updates, state, params)")
-        if not isinstance(state, PeriodicState):
-            raise TypeError(
-                f"{name}.update: the state is a {type(state).__name__}, not the PeriodicState "
-                f"{name}.init returns"
-            )
+        check_state(name, state, PeriodicState)
         declared = tuple(all_kinds(params, state.inner_state))
         if state.ledger.kinds != declared:
             raise ValueError(

@@ -34,7 +34,14 @@ from optaxdist.compress.lowrank import (
     vary_like,
 )
 from optaxdist.sharding import ModelSharding, on_shards
-from optaxdist.transforms._checks import check_bools, check_comm, check_int, check_number, check_warmup_steps
+from optaxdist.transforms._checks import (
+    check_bools,
+    check_comm,
+    check_int,
+    check_number,
+    check_state,
+    check_warmup_steps,
+)
 
 P_KIND = Kind("all_reduce", "float32", label="powersgd_p")
 Q_KIND = Kind("all_reduce", "float32", label="powersgd_q")
@@ -432,6 +439,7 @@ def powersgd(
         )
 
     def update_fn(updates, state, params=None, **extra):
+        check_state("powersgd", state, PowerSgdState)
         del params, extra
         leaves, treedef = jax.tree.flatten(updates)
         leaves = [jnp.asarray(x) for x in leaves]
