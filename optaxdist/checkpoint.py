@@ -70,7 +70,7 @@ def describe(tree: PyTree, *, graphdef: Any = None) -> dict:
 def _graph_pytrees(graphdef: Any) -> list[str]:
     """The structures (``PyTreeDef``) of the pytree nodes in an NNX ``GraphDef``, in its order."""
     nodes = getattr(graphdef, "nodes", None)
-    if not isinstance(nodes, list):
+    if not isinstance(nodes, (list, tuple)):
         raise TypeError(
             f"graphdef must be a flax.nnx GraphDef (from nnx_replicate), got {type(graphdef).__name__}"
         )

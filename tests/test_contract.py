@@ -337,7 +337,8 @@ def test_donating_params_and_state_changes_no_number(name, where):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
-# transforms whose update checks the kind of its state (the others are chains of these and optax's)
+# transforms whose update checks the kind of its state (one of each family: every periodic transform
+# shares periodic.py's check)
 STATE_CHECKED = [
     "allreduce",
     "averaged_iterate",
@@ -355,5 +356,5 @@ STATE_CHECKED = [
 @pytest.mark.parametrize("name", STATE_CHECKED)
 def test_a_state_of_another_kind_is_named(name):
     tx = TRANSFORMS[name][0]()
-    with pytest.raises(TypeError, match=r"\.update: the state is a EmptyState, not the \w+State"):
+    with pytest.raises(TypeError, match=r"\.update: got a state of type EmptyState, not the \w+State"):
         od.simulate(lambda p: tx.update(p, optax.EmptyState(), p))(stacked(make_params()))

@@ -1,5 +1,7 @@
 """Local SGD, post-local SGD, hierarchical averaging, DiLoCo and SlowMo."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -526,10 +528,9 @@ def test_numpy_integers_and_bools_are_hyperparameters_like_python_ones():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match=r"average_inner_state='yes' must be a bool"):
         od.local_sgd(optax.sgd(LR), comm=comm, period=2, average_inner_state="yes")
-    with pytest.raises(ValueError, match=r"period=np.int64\(0\) must be an int ≥ 1"):
-        od.diloco(optax.sgd(LR), comm=comm, period=np.int64(0))
-    with pytest.raises(ValueError, match=r"period=np.True_ must be an int ≥ 1"):
-        od.diloco(optax.sgd(LR), comm=comm, period=np.True_)
+    for bad in (np.int64(0), np.True_):  # NumPy 1 and 2 print them differently
+        with pytest.raises(ValueError, match=re.escape(f"period={bad!r} must be an int ≥ 1")):
+            od.diloco(optax.sgd(LR), comm=comm, period=bad)
 
 
 def test_a_state_of_another_transform_is_named_as_such():
@@ -543,5 +544,5 @@ def test_a_state_of_another_transform_is_named_as_such():
 
     with pytest.raises(ValueError, match=r"local_sgd.update: the state's ledger counts .* another transform"):
         update(local, od.simulate(diloco.init)(params))
-    with pytest.raises(TypeError, match=r"the state is a tuple, not the PeriodicState"):
+    with pytest.raises(TypeError, match=r"got a state of type tuple, not the PeriodicState"):
         update(diloco, od.simulate(optax.adam(LR).init)(params))

@@ -117,7 +117,13 @@ def test_harnesses_refuse_arguments_not_stacked_over_their_replicas():
     nested = od.simulate(lambda p: p, axis_name=("node", "local"), shape=(2, 2))
     with pytest.raises(ValueError, match=r"simulate over \{'node': 2, 'local': 2\}: argument 0.* \(8,\)"):
         nested(jnp.zeros(2 * N))
-    with pytest.raises(ValueError, match=r"shape=\(2, 4\) must give one positive int size per axis"):
+    with pytest.raises(ValueError, match=r"shape=\(2, 4\) must give one size per axis"):
         od.simulate(lambda p: p, shape=(2, 4))
+    with pytest.raises(ValueError, match=r"shape\[1\]=0 must be an int ≥ 1"):
+        od.simulate(lambda p: p, axis_name=("node", "local"), shape=(2, 0))
+    sizes = np.array([2, 2])  # NumPy sizes are sizes
+    np.testing.assert_array_equal(
+        od.simulate(lambda p: p, axis_name=("node", "local"), shape=sizes)(fine), fine
+    )
     with pytest.raises(ValueError, match=r"needs shape= with one size per axis"):
         od.simulate(lambda p: p, axis_name=("node", "local"))

@@ -68,6 +68,7 @@ def mesh_hierarchy(num_nodes: int, local_size: int, *, devices: list[jax.Device]
     With ``jax.distributed`` and the default ``devices`` (all global devices, host-major), each host
     is one node when ``local_size`` equals ``jax.local_device_count()``.
     """
+    num_nodes = _check_size("num_nodes", num_nodes)
     devices = list(jax.devices() if devices is None else devices)
     nodes = _check_split(len(devices), local_size)
     if nodes != num_nodes:

@@ -28,7 +28,7 @@ from optaxdist.comm.hierarchy import Hierarchy
 from optaxdist.parallel.multihost import host_allgather
 from optaxdist.parallel.split import SplitLocalSteps
 from optaxdist.sharding import map_subtrees
-from optaxdist.transforms._checks import check_bools
+from optaxdist.transforms._checks import check_bools, check_int
 
 PyTree = Any
 REPLICA_AXIS = "replica"
@@ -68,8 +68,7 @@ def _split(split_local_steps: object) -> bool:
 
 def replicate(tree: PyTree, n: int) -> PyTree:
     """Stack ``n`` identical copies of ``tree`` on a new leading axis."""
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} must be a positive int")
+    n = check_int("n", n, 1)
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), tree)
 
 
@@ -92,7 +91,8 @@ def simulate(
       step: the per-replica function.
       axis_name: the axis name its ``AxisComm`` uses; a tuple such as ``("node", "local")`` maps
         nested axes (for hierarchical algorithms), with ``shape=(num_nodes, local_size)``.
-      shape: sizes of the axes when there are several (the stacked leading axis is their product).
+      shape: sizes of the axes, needed when there are several (the stacked leading axis is their
+        product); every argument must have that many rows (``ValueError`` at the first trace).
       jit: wrap the result in ``jax.jit``.
       donate_argnums: arguments whose buffers the step may reuse for its results
         (``jax.jit``'s; with ``jit=True`` only): pass the parameters and the optimizer state of a
@@ -108,9 +108,9 @@ def simulate(
     """
     names = _names(axis_name)
     if shape is not None:
-        shape = tuple(shape)
-        if len(shape) != len(names) or not all(isinstance(k, int) and k >= 1 for k in shape):
-            raise ValueError(f"shape={shape} must give one positive int size per axis of axis_name={names}")
+        if len(shape) != len(names):
+            raise ValueError(f"shape={tuple(shape)} must give one size per axis of axis_name={names}")
+        shape = tuple(check_int(f"shape[{i}]", k, 1) for i, k in enumerate(shape))
     elif len(names) > 1:
         raise ValueError(f"axis_name={names} needs shape= with one size per axis")
     if _split(split_local_steps):
@@ -392,6 +392,8 @@ def on_mesh(
     than the leading one over a replica axis, or the leading one over replica and other axes
     together (``P(None, "replica")``, ``P(("replica", "model"), None)``). Where this process holds
     several CPU devices of the mesh, each call waits for its results (``_one_step_in_flight``).
+    The leading axis of every argument must have one row per replica device (``ValueError`` at
+    the first trace otherwise: ``shard_map`` alone would give each device a block of rows).
     ``donate_argnums`` is ``jax.jit``'s and ``split_local_steps`` ``simulate``'s (every process
     of a multi-host mesh must then pass the same states, as it must anyway).
     """
@@ -479,12 +481,12 @@ def on_node(
     ``node_hierarchy()``.
 
     Arguments and results are stacked over **this node's** replicas (leading axis
-    ``hierarchy.local_size``, local order); replica ``node * local_size + l`` of the world is row
-    ``l`` on the process of rank ``node``. Inside, ``hierarchy.world`` / ``.local`` / ``.cross``
-    communicate as their names say. Each call waits for its results (a step's cross-node exchange
-    blocks its devices' threads until the other nodes answer, so a second step must not queue
-    behind it). Unless ``check_config=False``, the first call checks that every node runs the same
-    configuration (``AgreedStep``). ``donate_argnums`` is ``jax.jit``'s and
+    ``hierarchy.local_size``, local order, else ``ValueError``); replica ``node * local_size + l``
+    of the world is row ``l`` on the process of rank ``node``. Inside, ``hierarchy.world`` /
+    ``.local`` / ``.cross`` communicate as their names say. Each call waits for its results (a
+    step's cross-node exchange blocks its devices' threads until the other nodes answer, so a second
+    step must not queue behind it). Unless ``check_config=False``, the first call checks that every
+    node runs the same configuration (``AgreedStep``). ``donate_argnums`` is ``jax.jit``'s and
     ``split_local_steps`` ``simulate``'s.
     """
     if _split(split_local_steps):

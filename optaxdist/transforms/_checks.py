@@ -83,8 +83,8 @@ def check_state(transform: str, state: Any, kind: type) -> None:
     another transform's, nor a whole chain's: ``optax.chain`` hands each its own part)."""
     if not isinstance(state, kind):
         raise TypeError(
-            f"{transform}.update: the state is a {type(state).__name__}, not the {kind.__name__} "
-            f"{transform}.init returns"
+            f"{transform}.update: got a state of type {type(state).__name__}, not the "
+            f"{kind.__name__} {transform}.init returns"
         )
 
 

@@ -32,12 +32,12 @@ WEIGHT_KIND = Kind("permute", "ps_weight")
 GLOBAL_KIND = Kind("all_reduce", "global average")
 
 
-def _check(comm, topology: Topology, average_period: int | None) -> None:
+def _check(comm, topology: Topology, average_period: int | None) -> int | None:
+    """Validate the gossip family's common arguments; ``average_period`` as a Python int."""
     check_comm("comm", comm)
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be an optaxdist.topology.Topology, got {topology!r}")
-    if average_period is not None:
-        average_period = check_int("average_period", average_period, 1)
+    return None if average_period is None else check_int("average_period", average_period, 1)
 
 
 def _check_size(comm: Communicator, topology: Topology) -> None:
@@ -156,7 +156,7 @@ def decentralized_sgd(
       Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms?", NeurIPS 2017.
       mlbench ``DecentralizedSGD``.
     """
-    _check(comm, topology, average_period)
+    average_period = _check(comm, topology, average_period)
     wire = canonical_comm_dtype(dtype)
     check_bools(metropolis=metropolis)
     topo = topology.metropolis() if metropolis else topology
@@ -269,7 +269,7 @@ def sgp(
       Assran, Loizou, Ballas, Rabbat, "Stochastic Gradient Push for Distributed Deep Learning",
       ICML 2019. fairscale ``SlowMoDistributedDataParallel`` (SGP, PushSum, PushPull).
     """
-    _check(comm, topology, average_period)
+    average_period = _check(comm, topology, average_period)
     check_bools(overlap=overlap)
     if not topology.is_column_stochastic():
         raise ValueError(f"topology {topology.name!r} is not column-stochastic: push-sum needs it")

@@ -294,8 +294,7 @@ def outer_sync(
     if period % num_fragments:
         raise ValueError(f"num_fragments={num_fragments!r} must divide period={period}")
     stride = period // num_fragments
-    if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < stride:
-        raise ValueError(f"delay={delay!r} must be an int in [0, period / num_fragments = {stride})")
+    delay = check_int("delay", delay, 0, stride)
     check_number("blend", blend, 0, 1, open_high=True)
     check_bools(overlap=overlap)
     if overlap and (delay < 1 or reducer is not None or num_shards is not None):
