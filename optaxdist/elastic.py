@@ -65,6 +65,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from optaxdist._validate import check_int
 from optaxdist.accounting import CommLedger
 from optaxdist.comm.base import divides_first
 from optaxdist.optimizers import SignSgdState, SingaSgdState
@@ -460,8 +461,7 @@ def resize_replicas(
         allowed values), a replicated leaf differs between replicas, DASO has a pending send, or
         ``like`` does not match.
     """
-    if isinstance(new_n, bool) or not isinstance(new_n, int) or new_n < 1:
-        raise ValueError(f"new_n={new_n!r} must be an int ≥ 1")
+    new_n = check_int("new_n", new_n, 1)
     leaves = jax.tree.leaves((params, opt_state))
     if not leaves:
         raise ValueError("nothing to resize: params and opt_state have no arrays")
@@ -473,8 +473,7 @@ def resize_replicas(
                 f"the same leading replica axis (N={n})"
             )
     if node_size is not None:
-        if isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1:
-            raise ValueError(f"node_size={node_size!r} must be an int ≥ 1")
+        node_size = check_int("node_size", node_size, 1)
         if new_n % node_size:
             allowed = [node_size * k for k in range(1, 5)]
             raise ValueError(

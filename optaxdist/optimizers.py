@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist._validate import check_bools
 from optaxdist.agreement import configured
-from optaxdist.transforms._checks import check_bools, check_number
+from optaxdist.transforms._checks import check_number
 
 
 def _check_sgd_hyperparameters(

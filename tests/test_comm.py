@@ -457,8 +457,8 @@ def test_comm_stats_per_level():
 
 def test_axis_hierarchy_checks_its_sizes():
     for bad in (0, -1, 2.5, "2", True):
-        with pytest.raises(ValueError, match=rf"num_nodes={bad!r} must be a positive int"):
+        with pytest.raises(ValueError, match=rf"num_nodes={bad!r} must be an int ≥ 1"):
             od.axis_hierarchy(bad, 4)
-        with pytest.raises(ValueError, match=rf"local_size={bad!r} must be a positive int"):
+        with pytest.raises(ValueError, match=rf"local_size={bad!r} must be an int ≥ 1"):
             od.axis_hierarchy(2, bad)
     assert od.axis_hierarchy(np.int64(2), 4).num_nodes == 2

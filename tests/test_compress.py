@@ -560,3 +560,14 @@ def test_quantize_non_finite_value_makes_its_block_nan():
     y = np.asarray(c.decode(c.encode(x, KEY), 8, KEY))
     assert np.isnan(y[:4]).all()  # deterministic, not an implementation-defined cast of NaN
     np.testing.assert_allclose(y[4:], np.float32([1.0, -1.0, 2 / 7, 0.0]), atol=1e-6)
+
+
+def test_numpy_sizes_configure_a_compressor_as_python_ints():
+    """A sweep's NumPy sizes give the compressor of the Python ints: equal, with the same hash
+    (the compiled step's cache)."""
+    assert compress.quantize(np.int64(4), block_size=np.int64(64)) == compress.quantize(4, block_size=64)
+    chunked = compress.chunked_top_k(np.int64(64), np.int32(8))
+    assert chunked == compress.chunked_top_k(64, 8) and hash(chunked) == hash(compress.chunked_top_k(64, 8))
+    assert type(chunked.k) is int and type(chunked.chunk_size) is int
+    with pytest.raises(ValueError, match="k=np.True_|k=True"):
+        compress.chunked_top_k(64, np.True_)

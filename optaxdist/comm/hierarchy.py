@@ -7,12 +7,11 @@ index on every node (Heat DASO's "MPI group i"); ``world`` is everybody.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import jax
-import numpy as np
 
+from optaxdist._validate import check_int
 from optaxdist.comm.axis import AxisComm
 from optaxdist.comm.base import Communicator
 from optaxdist.comm.cross import DEFAULT_TIMEOUT_S, CrossComm, _Exchange, check_timeout
@@ -34,7 +33,7 @@ class Hierarchy(NamedTuple):
 
 
 def _check_split(world_size: int, local_size: int) -> int:
-    local_size = _check_size("local_size", local_size)
+    local_size = check_int("local_size", local_size, 1)
     if world_size % local_size:
         raise ValueError(
             f"local_size={local_size} does not divide the world size {world_size}: every node "
@@ -43,16 +42,9 @@ def _check_split(world_size: int, local_size: int) -> int:
     return world_size // local_size
 
 
-def _check_size(name: str, value: Any) -> int:
-    """``value`` must be a positive int (Python's or NumPy's, not a bool)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return int(value)
-
-
 def axis_hierarchy(num_nodes: int, local_size: int) -> Hierarchy:
     """Communicators over the axes ``('node', 'local')``, for ``simulate(..., shape=(N, G))``."""
-    num_nodes, local_size = _check_size("num_nodes", num_nodes), _check_size("local_size", local_size)
+    num_nodes, local_size = check_int("num_nodes", num_nodes, 1), check_int("local_size", local_size, 1)
     return Hierarchy(
         world=AxisComm((NODE_AXIS, LOCAL_AXIS)),
         local=AxisComm(LOCAL_AXIS),
@@ -68,7 +60,7 @@ def mesh_hierarchy(num_nodes: int, local_size: int, *, devices: list[jax.Device]
     With ``jax.distributed`` and the default ``devices`` (all global devices, host-major), each host
     is one node when ``local_size`` equals ``jax.local_device_count()``.
     """
-    num_nodes = _check_size("num_nodes", num_nodes)
+    num_nodes = check_int("num_nodes", num_nodes, 1)
     devices = list(jax.devices() if devices is None else devices)
     nodes = _check_split(len(devices), local_size)
     if nodes != num_nodes:

@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
+from optaxdist._validate import is_int
+
 Payload = Any
 Exchange = Literal["all_reduce", "all_gather", "two_phase"]
 
@@ -71,7 +73,7 @@ def check_fraction_or_count(fraction: float | None, count: int | None) -> None:
         raise ValueError("give exactly one of fraction= (in (0, 1]) or count= (an int ≥ 1)")
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"fraction={fraction!r} must be in (0, 1]")
-    if count is not None and (not isinstance(count, int) or count < 1):
+    if count is not None and not (is_int(count) and count >= 1):
         raise ValueError(f"count={count!r} must be an int ≥ 1")
 
 

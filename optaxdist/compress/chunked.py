@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from optaxdist._validate import check_int, is_int
 from optaxdist.compress.base import Compressor, scatter
 from optaxdist.compress.quantize import Quantize
 
@@ -45,10 +46,11 @@ class ChunkedTopK(Compressor):
 
     def __post_init__(self):
         size = self.chunk_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
-            raise ValueError(f"chunk_size={size!r} must be an int ≥ 2")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= size:
+        size = check_int("chunk_size", size, 2)
+        if not is_int(self.k) or not 1 <= self.k <= size:
             raise ValueError(f"k={self.k!r} must be an int in [1, chunk_size={size}]")
+        object.__setattr__(self, "chunk_size", size)  # a NumPy int configures as a Python one
+        object.__setattr__(self, "k", int(self.k))
         if self.values is not None:
             if not isinstance(self.values, Quantize):
                 raise TypeError(

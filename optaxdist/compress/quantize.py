@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optaxdist._validate import is_int
 from optaxdist.comm.base import sum_in_member_order
 from optaxdist.compress.base import Compressor, Payload
 
@@ -132,10 +133,10 @@ class Quantize(Compressor):
     format: str = "int"
 
     def __post_init__(self):
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in BITS:
+        if not is_int(self.bits) or self.bits not in BITS:
             raise ValueError(f"bits={self.bits!r}; allowed: {BITS}")
         size = self.block_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % (8 // self.bits):
+        if not is_int(size) or size < 1 or size % (8 // self.bits):
             raise ValueError(
                 f"block_size={self.block_size!r} must be an int ≥ 1 and a multiple of "
                 f"{8 // self.bits} (the values in one byte at bits={self.bits})"
@@ -153,6 +154,8 @@ class Quantize(Compressor):
             raise ValueError(f"sigmas={sigmas!r} applies to scale='sigma' only")
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r}; allowed: {FORMATS}")
+        object.__setattr__(self, "bits", int(self.bits))  # a NumPy int configures as a Python one
+        object.__setattr__(self, "block_size", int(size))
         if self.format != "int" and (self.bits != 8 or self.scale != "absmax"):
             raise ValueError(
                 f"format={self.format!r} is an 8-bit float with one scale per block: it needs bits=8 "

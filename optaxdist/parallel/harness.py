@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger
 from optaxdist.agreement import DIGEST_BYTES, DIGEST_KIND, agree, describe_step
 from optaxdist.comm.base import Communicator
@@ -28,7 +29,6 @@ from optaxdist.comm.hierarchy import Hierarchy
 from optaxdist.parallel.multihost import host_allgather
 from optaxdist.parallel.split import SplitLocalSteps
 from optaxdist.sharding import map_subtrees
-from optaxdist.transforms._checks import check_bools, check_int
 
 PyTree = Any
 REPLICA_AXIS = "replica"

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from optaxdist._validate import check_int
 from optaxdist.accounting import keep_ledgers
 from optaxdist.comm.base import Communicator
 from optaxdist.transforms.local_program import static_program
@@ -95,20 +94,6 @@ def check_transformation(name: str, value: Any) -> Any:
     return value
 
 
-def check_int(name: str, value: Any, low: int = 0, high: int | None = None) -> int:
-    """``value`` must be an integer (a Python or NumPy int, not a bool) in ``[low, high)``;
-    returned as a Python int."""
-    if (
-        isinstance(value, (bool, np.bool_))
-        or not isinstance(value, numbers.Integral)
-        or value < low
-        or (high is not None and value >= high)
-    ):
-        allowed = f"≥ {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name}={value!r} must be an int {allowed}")
-    return int(value)
-
-
 def check_number(
     name: str,
     value: Any,
@@ -135,13 +120,6 @@ def check_number(
             allowed = f"in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
         raise ValueError(f"{name}={value!r} must be {allowed}")
     return number
-
-
-def check_bools(**flags: Any) -> None:
-    """Every flag must be a bool (Python's or NumPy's)."""
-    for name, flag in flags.items():
-        if not isinstance(flag, (bool, np.bool_)):
-            raise ValueError(f"{name}={flag!r} must be a bool")
 
 
 def check_warmup_steps(warmup_steps: object) -> int:

@@ -23,18 +23,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import (
-    check_bools,
-    check_comm,
-    check_int,
-    check_nonfinite,
-    check_number,
-    check_state,
-    local_step,
-)
+from optaxdist.transforms._checks import check_comm, check_nonfinite, check_number, check_state, local_step
 from optaxdist.transforms.local_program import Schedule, mark_flags, next_update, record
 from optaxdist.transforms.periodic import AGREED, UNTOUCHED, AgreedParams, initial_agreed, record_agreed
 

@@ -11,19 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger, Kind, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.compress.chunked import pack_bits, unpack_bits
-from optaxdist.transforms._checks import (
-    all_finite,
-    check_bools,
-    check_comm,
-    check_int,
-    check_nonfinite,
-    check_number,
-    check_state,
-)
+from optaxdist.transforms._checks import all_finite, check_comm, check_nonfinite, check_number, check_state
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST

@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist._validate import check_int
 from optaxdist.accounting import Kind, dtype_label, kind_name, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_comm, check_int
+from optaxdist.transforms._checks import check_comm
 from optaxdist.transforms.periodic import Sync, SyncInput, every_leaf, periodic
 
 

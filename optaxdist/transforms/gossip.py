@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger, Kind, payload_bytes
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
 from optaxdist.topology import Topology
-from optaxdist.transforms._checks import check_bools, check_comm, check_int
+from optaxdist.transforms._checks import check_comm
 from optaxdist.transforms.periodic import SyncInput, every_leaf, periodic
 
 PERMUTE_KIND = Kind("permute", "params")

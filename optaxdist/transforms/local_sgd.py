@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
-from optaxdist.transforms._checks import check_bools, check_comm, check_int
+from optaxdist.transforms._checks import check_comm
 from optaxdist.transforms.periodic import Sync, SyncInput, every_leaf, periodic, periodic_states
 
 NO_SYNC, LOCAL_SYNC, GLOBAL_SYNC = 0, 1, 2

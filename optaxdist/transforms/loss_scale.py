@@ -14,18 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger, Kind, keep_ledgers
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
-from optaxdist.transforms._checks import (
-    all_finite,
-    check_bools,
-    check_comm,
-    check_int,
-    check_number,
-    check_state,
-    find_states,
-)
+from optaxdist.transforms._checks import all_finite, check_comm, check_number, check_state, find_states
 
 AGREE_KIND = Kind("all_reduce", "int32", label="agree")
 _F32_TINY = float(np.finfo(np.float32).tiny)

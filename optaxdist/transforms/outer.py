@@ -21,19 +21,13 @@ import optax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
+from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger, Kind, Payload, dtype_label, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype, mean_after_sum, mean_before_sum
 from optaxdist.partition import Partition, balanced_fragments, resolve_partition
 from optaxdist.sharding import ModelSharding, map_subtrees, on_shards, same_layout
-from optaxdist.transforms._checks import (
-    check_bools,
-    check_comm,
-    check_float_leaves,
-    check_int,
-    check_number,
-    check_transformation,
-)
+from optaxdist.transforms._checks import check_comm, check_float_leaves, check_number, check_transformation
 from optaxdist.transforms.periodic import SyncInput, periodic
 
 FlightKey = tuple[jnp.dtype, "jnp.dtype | None"]  # overlap's buffers: (anchor dtype, wire dtype)

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optaxdist._validate import check_bools
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import (
-    check_bools,
     check_comm,
     check_nonfinite,
     check_state,

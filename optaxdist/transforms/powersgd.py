@@ -18,6 +18,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from optaxdist._compat import all_gather_invariant, manual_axes
+from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger, Kind, per_replica
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
@@ -34,14 +35,7 @@ from optaxdist.compress.lowrank import (
     vary_like,
 )
 from optaxdist.sharding import ModelSharding, on_shards
-from optaxdist.transforms._checks import (
-    check_bools,
-    check_comm,
-    check_int,
-    check_number,
-    check_state,
-    check_warmup_steps,
-)
+from optaxdist.transforms._checks import check_comm, check_number, check_state, check_warmup_steps
 
 P_KIND = Kind("all_reduce", "float32", label="powersgd_p")
 Q_KIND = Kind("all_reduce", "float32", label="powersgd_q")

@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optaxdist._validate import check_int
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.compress.chunked import chunked_top_k
 from optaxdist.compress.quantize import quantize
 from optaxdist.sharding import ModelSharding
-from optaxdist.transforms._checks import check_int, check_number, check_transformation
+from optaxdist.transforms._checks import check_number, check_transformation
 from optaxdist.transforms.compressed import compressed_allreduce
 from optaxdist.transforms.outer import outer_sync
 
