@@ -45,8 +45,7 @@ class ChunkedTopK(Compressor):
     exchange = "all_gather"
 
     def __post_init__(self):
-        size = self.chunk_size
-        size = check_int("chunk_size", size, 2)
+        size = check_int("chunk_size", self.chunk_size, 2)
         if not is_int(self.k) or not 1 <= self.k <= size:
             raise ValueError(f"k={self.k!r} must be an int in [1, chunk_size={size}]")
         object.__setattr__(self, "chunk_size", size)  # a NumPy int configures as a Python one
