@@ -225,7 +225,8 @@ def restore_checkpoint(
 
 
 def rank_directory(directory: str | Path, *, comm: Any = None) -> Path:
-    """This MPI rank's checkpoint directory: ``<directory>/rank<r>-of-<n>``.
+    """This MPI rank's checkpoint directory: ``<directory>/rank<r>-of-<n>``, both numbers
+    zero-padded to 5 digits (``rank00001-of-00004``).
 
     Under MPI every process is its own JAX world; give each its own ``CheckpointManager`` on this
     directory. ``comm``: an ``optaxdist.MpiComm`` or mpi4py communicator (default COMM_WORLD).

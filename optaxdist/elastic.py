@@ -542,9 +542,10 @@ def _match_like(state, like, m: int):
                 raise ValueError(f"{where}: ledger payloads {x.payloads} vs {ref.payloads} in like=")
             return x
         if tuple(np.shape(x)) != tuple(ref.shape) or np.dtype(x.dtype) != np.dtype(ref.dtype):
+            stacked = "" if np.shape(ref)[:1] == (m,) else f" (like= is stacked: a leading axis of new_n={m})"
             raise ValueError(
                 f"{jax.tree_util.keystr(path)}: resized to {np.shape(x)} {x.dtype}, like= has "
-                f"{tuple(ref.shape)} {ref.dtype}"
+                f"{tuple(ref.shape)} {ref.dtype}{stacked}"
             )
         return x
 

@@ -34,13 +34,20 @@ def _env() -> dict:
     return env
 
 
+# a block on several devices runs as a script of its own, as a reader would run it: it must ask for
+# its CPU devices itself (``XLA_FLAGS``), not find the ones this process's conftest forced
+ON_DEVICES = ("make_mesh", "mesh_hierarchy", "jax.devices()")
+
+
 @pytest.mark.parametrize("code", list(_blocks()))
 def test_doc_block_runs(code, tmp_path):
-    if "mpirun" in code or "MpiComm" in code or "mpi_hierarchy" in code:
+    mpi = "mpirun" in code or "MpiComm" in code or "mpi_hierarchy" in code
+    if mpi or any(call in code for call in ON_DEVICES):
         script = tmp_path / "block.py"
         script.write_text(code)
+        launcher = [_mpirun(), "-n", "2"] if mpi else []
         proc = subprocess.run(
-            [_mpirun(), "-n", "2", sys.executable, str(script)],
+            [*launcher, sys.executable, str(script)],
             cwd=ROOT,
             env=_env(),
             capture_output=True,

@@ -246,6 +246,11 @@ def test_bad_arguments():
     like = jax.eval_shape(jax.vmap(tx2.init), od.replicate(params_row(), 2))
     with pytest.raises(ValueError, match="structure of like="):
         od.resize_replicas(params, state, 2, like=like)
+    params, state = _state("powersgd", 4)
+    _, _, tx = compiled("powersgd", "vmap", 2)
+    row = jax.eval_shape(tx.init, params_row())  # one replica's state: not stacked
+    with pytest.raises(ValueError, match=r"like= has .* \(like= is stacked: a leading axis of new_n=2\)"):
+        od.resize_replicas(params, state, 2, like=row)
 
 
 def test_sgp_resize_is_the_push_sum_average():
