@@ -121,6 +121,22 @@ def _loss_step(tx):
     return step
 
 
+def _small_daso():
+    """DASO on 2 nodes of 2 (an epoch of 4 steps, ended in the general program) and its harness."""
+    h = od.axis_hierarchy(2, 2)
+    tx = od.daso(
+        _momentum(),
+        local_comm=h.local,
+        cross_comm=h.cross,
+        steps_per_epoch=4,
+        total_epochs=3,
+        warmup_epochs=1,
+        cooldown_epochs=0,
+        nonfinite="ignore",
+    )
+    return tx, functools.partial(od.simulate, axis_name=("node", "local"), shape=(2, 2))
+
+
 def _run(run, tx, grads, params=None, state=None):
     params = _params() if params is None else params
     state = od.simulate(tx.init)(params) if state is None else state
@@ -571,19 +587,7 @@ def test_kept_results_are_placed_like_the_arguments():
     committed there too, as the whole program's are, so no call meets an argument placed
     otherwise and the general program compiles once (DASO ends an epoch in it every 4 calls)."""
     device = jax.devices()[1]
-    h = od.axis_hierarchy(2, 2)
-    tx = od.daso(
-        _momentum(),
-        local_comm=h.local,
-        cross_comm=h.cross,
-        steps_per_epoch=4,
-        total_epochs=3,
-        warmup_epochs=1,
-        cooldown_epochs=0,
-        nonfinite="ignore",
-    )
-
-    wrap = functools.partial(od.simulate, axis_name=("node", "local"), shape=(2, 2))
+    tx, wrap = _small_daso()
     split = wrap(_loss_step(tx), donate_argnums=(0, 1), split_local_steps=True)
     grads, loss = jax.device_put(_grads(12), device), jax.device_put(jnp.ones(N), device)
     runs = []
@@ -904,18 +908,7 @@ def test_a_general_call_leaves_the_kept_results_of_other_states_alone():
     """The results the host keeps (DASO's constant flags) are the same arrays in every state a
     call returned. Two runs taking turns: a call that runs the general program and donates (an
     epoch's end) consumes copies of them, never the arrays the other run's state holds."""
-    h = od.axis_hierarchy(2, 2)
-    tx = od.daso(
-        _momentum(),
-        local_comm=h.local,
-        cross_comm=h.cross,
-        steps_per_epoch=4,
-        total_epochs=3,
-        warmup_epochs=1,
-        cooldown_epochs=0,
-        nonfinite="ignore",
-    )
-    wrap = functools.partial(od.simulate, axis_name=("node", "local"), shape=(2, 2))
+    tx, wrap = _small_daso()
     split = wrap(_loss_step(tx), donate_argnums=(0, 1), split_local_steps=True)
     loss = jnp.ones(N)
     runs = [(params, wrap(tx.init)(params)) for params in (_params(), _params())]
