@@ -11,7 +11,12 @@ import numpy as np
 
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an integer: a Python or NumPy int, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, numbers.Integral) and not is_bool(value)
+
+
+def is_bool(value: Any) -> bool:
+    """Whether ``value`` is a bool: Python's or NumPy's."""
+    return isinstance(value, (bool, np.bool_))
 
 
 def check_int(name: str, value: Any, low: int = 0, high: int | None = None) -> int:
@@ -25,5 +30,5 @@ def check_int(name: str, value: Any, low: int = 0, high: int | None = None) -> i
 def check_bools(**flags: Any) -> None:
     """Every flag must be a bool (Python's or NumPy's)."""
     for name, flag in flags.items():
-        if not isinstance(flag, (bool, np.bool_)):
+        if not is_bool(flag):
             raise ValueError(f"{name}={flag!r} must be a bool")

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from optaxdist._validate import check_int
+from optaxdist._validate import check_int, is_bool
 from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator
 from optaxdist.compress.chunked import chunked_top_k
@@ -114,7 +113,7 @@ def sparseloco(
         raise ValueError(f"value_bits={value_bits!r}; allowed: {VALUE_BITS}")
     if value_scale not in VALUE_SCALES:
         raise ValueError(f"value_scale={value_scale!r}; allowed: {VALUE_SCALES}")
-    if not (pack_small_leaves is None or isinstance(pack_small_leaves, (bool, np.bool_))):
+    if not (pack_small_leaves is None or is_bool(pack_small_leaves)):
         raise ValueError(f"pack_small_leaves={pack_small_leaves!r} must be None, True or False")
     if pack_small_leaves and model_sharding is not None:
         raise ValueError(
