@@ -465,6 +465,7 @@ def test_overhead_local_steps_rows(tmp_path, capsys):
         for key in ("local", "plain", "sync", "hand_sync"):
             assert len(r["samples_s"][key]) == 2
             assert r["faults_per_call"][key] >= 0
+            assert r["late_state_arrays"][key] == 0  # done when its parameters are ready
         assert r["local_ratio"] == r["local_ms"] / r["plain_ms"] > 0
         assert r["sync_ratio"] == r["sync_ms"] / r["hand_sync_ms"] > 0
         assert r["compile_s"] > 0
@@ -595,6 +596,7 @@ def test_overhead_local_steps_split(tmp_path, capsys):
         len(row["samples_s"][key]) == 2 for key in ("local", "plain", "sync", "loop_local", "loop_plain")
     )
     assert row["loop_local_ratio"] == row["loop_local_ms"] / row["loop_plain_ms"] > 0
+    assert set(row["late_state_arrays"].values()) == {0}
     assert f"loop: {local_steps.LOOP} local steps in a row" in out
 
 
@@ -698,14 +700,15 @@ def test_each_timed_step_follows_the_step_a_loop_makes_before_it():
     calls = {"sync": (recorder("sync"), zeros), "hand_sync": (recorder("hand_sync"), zeros)}
     before = {"sync": recorder("local"), "hand_sync": recorder("plain")}
     reset = lambda name, state, early: np.asarray(100 - early) if name == "sync" else state  # noqa: E731
-    samples, faults, _ = local_steps._time_donated(calls, 3, reset, before)
+    samples, faults, late, _ = local_steps._time_donated(calls, 3, reset, before)
     assert {k: len(v) for k, v in samples.items()} == {"sync": 3, "hand_sync": 3}
     assert {k: len(v) for k, v in faults.items()} == {"sync": 3, "hand_sync": 3}
+    assert late == {"sync": [0] * 3, "hand_sync": [0] * 3}  # NumPy states: nothing to wait for
     assert calls_made[:4] == [("local", 99), ("sync", 100), ("plain", 0), ("hand_sync", 1)]
     assert calls_made[4:8] == [("local", 99), ("sync", 100), ("plain", 2), ("hand_sync", 3)]
     assert len(calls_made) == 2 * 2 * 4
     calls_made.clear()
-    looped, _, ends = local_steps._time_donated(
+    looped, _, _, ends = local_steps._time_donated(
         {"sync": calls["sync"]}, 2, reset, {"sync": calls["sync"][0]}, local_steps.LOOP
     )
     assert len(looped["sync"]) == 2 and int(ends["sync"]) == 100 + local_steps.LOOP
