@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from optaxdist._compat import manual_axes
+from optaxdist._validate import is_int
 
 PyTree = Any
 
@@ -56,13 +57,17 @@ class ModelSharding:
     axis_sizes: tuple[tuple[str, int], ...]
 
     def __post_init__(self):
-        sizes = dict(self.axis_sizes)
-        if not sizes or not all(
-            isinstance(n, str) and isinstance(s, int) and s >= 1 for n, s in self.axis_sizes
-        ):
+        try:
+            pairs = tuple((n, s) for n, s in self.axis_sizes)
+        except (TypeError, ValueError):
+            pairs = ()
+        if not pairs or not all(isinstance(n, str) and is_int(s) and s >= 1 for n, s in pairs):
             raise ValueError(
-                f"axis_sizes={self.axis_sizes!r} must be a non-empty tuple of (model axis name, size ≥ 1)"
+                f"axis_sizes={self.axis_sizes!r} must be a non-empty tuple of (model axis name, int size ≥ 1)"
             )
+        pairs = tuple((n, int(s)) for n, s in pairs)  # a NumPy size configures as a Python one
+        object.__setattr__(self, "axis_sizes", pairs)
+        sizes = dict(pairs)
         leaves = jax.tree_util.tree_leaves_with_path(self.specs, is_leaf=lambda x: x is None or _is_spec(x))
         for path, spec in leaves:
             if not _is_spec(spec):

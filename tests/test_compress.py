@@ -571,3 +571,15 @@ def test_numpy_sizes_configure_a_compressor_as_python_ints():
     assert type(chunked.k) is int and type(chunked.chunk_size) is int
     with pytest.raises(ValueError, match="k=np.True_|k=True"):
         compress.chunked_top_k(64, np.True_)
+    for make in (compress.top_k, compress.random_k, compress.block_k):
+        sparse = make(count=np.int64(3))
+        assert sparse == make(count=3) and hash(sparse) == hash(make(count=3)) and type(sparse.count) is int
+        assert type(make(fraction=np.float32(0.5)).fraction) is float
+        with pytest.raises(ValueError, match="fraction=True must be a real number in"):
+            make(fraction=True)
+        with pytest.raises(ValueError, match=r"count=(np.int64\()?0\)? must be an int ≥ 1"):
+            make(count=np.int64(0))
+    padded = compress.threshold(0.1, mode="padded", max_count=np.int64(5))
+    assert padded == compress.threshold(0.1, mode="padded", max_count=5) and type(padded.max_count) is int
+    with pytest.raises(ValueError, match="give exactly one of max_fraction= .* or max_count="):
+        compress.threshold(0.1, mode="padded")

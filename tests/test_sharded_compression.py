@@ -222,6 +222,12 @@ def test_bad_model_sharding_is_refused_clearly():
         od.ModelSharding.from_mesh(mesh, {"w": P(od.REPLICA_AXIS)}, od.REPLICA_AXIS)
     with pytest.raises(TypeError, match=r"specs\['w'\]=None must be a jax.sharding.PartitionSpec"):
         od.ModelSharding({"w": None}, (("model", 2),))
+    for sizes in ((("model", 0),), (("model", 2.0),), (("model", True),), (), "model", (("model",),)):
+        with pytest.raises(ValueError, match=r"axis_sizes=.* must be a non-empty tuple of \(model axis name"):
+            od.ModelSharding({"w": P("model")}, sizes)
+    numpy_sizes = od.ModelSharding({"w": P("model")}, [("model", np.int64(2))])  # a sweep's sizes
+    assert numpy_sizes == od.ModelSharding({"w": P("model")}, (("model", 2),))
+    assert type(numpy_sizes.axis_sizes[0][1]) is int
     sharding = od.ModelSharding.from_mesh(mesh, SPECS, od.REPLICA_AXIS)
     tx = od.compressed_allreduce(C.top_k(fraction=0.1), comm=COMM, model_sharding=sharding)
     with pytest.raises(ValueError, match=r"specs must have the structure of the parameters"):

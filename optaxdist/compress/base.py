@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 
-from optaxdist._validate import is_int
+from optaxdist._validate import check_int, is_bool
 
 Payload = Any
 Exchange = Literal["all_reduce", "all_gather", "two_phase"]
@@ -68,13 +69,18 @@ def resolve_k(size: int, fraction: float | None, count: int | None) -> int:
     return max(1, min(size, k))
 
 
-def check_fraction_or_count(fraction: float | None, count: int | None) -> None:
+def check_fraction_or_count(
+    fraction: float | None, count: int | None, prefix: str = ""
+) -> tuple[float | None, int | None]:
+    """Exactly one of ``{prefix}fraction`` (a real number in (0, 1]) and ``{prefix}count`` (an int
+    ≥ 1) is given; returned as a Python float and int (a NumPy value configures as a Python one)."""
     if (fraction is None) == (count is None):
-        raise ValueError("give exactly one of fraction= (in (0, 1]) or count= (an int ≥ 1)")
-    if fraction is not None and not 0 < fraction <= 1:
-        raise ValueError(f"fraction={fraction!r} must be in (0, 1]")
-    if count is not None and not (is_int(count) and count >= 1):
-        raise ValueError(f"count={count!r} must be an int ≥ 1")
+        raise ValueError(f"give exactly one of {prefix}fraction= (in (0, 1]) or {prefix}count= (an int ≥ 1)")
+    if fraction is not None:
+        if not (isinstance(fraction, numbers.Real) and not is_bool(fraction) and 0 < fraction <= 1):
+            raise ValueError(f"{prefix}fraction={fraction!r} must be a real number in (0, 1]")
+        return float(fraction), None
+    return None, check_int(f"{prefix}count", count, 1)
 
 
 def scatter(indices: jax.Array, values: jax.Array, size: int) -> jax.Array:

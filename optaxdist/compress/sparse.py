@@ -26,7 +26,9 @@ class TopK(Compressor):
     exchange = "all_gather"
 
     def __post_init__(self):
-        check_fraction_or_count(self.fraction, self.count)
+        fraction, count = check_fraction_or_count(self.fraction, self.count)
+        object.__setattr__(self, "fraction", fraction)
+        object.__setattr__(self, "count", count)
 
     @property
     def name(self) -> str:
@@ -52,7 +54,9 @@ class _SharedIndices(Compressor):
     count: int | None = None
 
     def __post_init__(self):
-        check_fraction_or_count(self.fraction, self.count)
+        fraction, count = check_fraction_or_count(self.fraction, self.count)
+        object.__setattr__(self, "fraction", fraction)
+        object.__setattr__(self, "count", count)
 
     @abc.abstractmethod
     def _indices(self, size: int, key: jax.Array) -> jax.Array:
@@ -120,7 +124,9 @@ class Threshold(Compressor):
         if self.mode not in ("dense", "padded"):
             raise ValueError(f"mode={self.mode!r}; allowed: 'dense', 'padded'")
         if self.mode == "padded":
-            check_fraction_or_count(self.max_fraction, self.max_count)
+            fraction, count = check_fraction_or_count(self.max_fraction, self.max_count, "max_")
+            object.__setattr__(self, "max_fraction", fraction)
+            object.__setattr__(self, "max_count", count)
         elif self.max_fraction is not None or self.max_count is not None:
             raise ValueError("max_fraction / max_count apply only to mode='padded'")
         object.__setattr__(self, "exchange", "all_gather" if self.mode == "padded" else "all_reduce")
