@@ -462,3 +462,58 @@ def test_axis_hierarchy_checks_its_sizes():
         with pytest.raises(ValueError, match=rf"local_size={bad!r} must be an int ≥ 1"):
             od.axis_hierarchy(2, bad)
     assert od.axis_hierarchy(np.int64(2), 4).num_nodes == 2
+
+
+def test_small_leaves_are_permuted_together_on_a_mesh():
+    """On a mesh ``permute`` sends the leaves under ``PACK_LEAF_BYTES`` as one buffer per wire
+    dtype (one collective each: a CPU mesh's collective costs a rendezvous of every device's
+    thread), a larger leaf alone; what arrives is bit for bit what leaf-by-leaf sends give,
+    whatever the leaves hold (NaN, -0, subnormals), and bfloat16 travels as 16 bits."""
+    from optaxdist.comm import base
+
+    n = 8
+    mesh = jax.make_mesh((n,), ("replica",), axis_types=(jax.sharding.AxisType.Auto,))
+    comm, ring = od.AxisComm("replica"), [(i, (i + 1) % n) for i in range(n)]
+    big = base.PACK_LEAF_BYTES // 4  # float32 elements of a leaf that goes alone
+    rng = np.random.default_rng(0)
+    specials = np.array([np.nan, -0.0, np.inf, 1e-40, -1e-40], np.float32)
+    tree = {
+        "w": rng.normal(size=(n, 3, 5)).astype(np.float32),
+        "b": np.concatenate([specials, rng.normal(size=3).astype(np.float32)])[None].repeat(n, 0),
+        "h": rng.normal(size=(n, 4)).astype(jnp.bfloat16),
+        "k": rng.integers(-9, 9, size=(n, 2)).astype(np.int32),
+        "big": rng.normal(size=(n, big)).astype(np.float32),
+        "s": rng.normal(size=(n,)).astype(np.float32),
+    }
+
+    def leaf_by_leaf(t):
+        return jax.tree.map(lambda x: jax.lax.ppermute(x, "replica", ring), t)
+
+    packed = od.on_mesh(lambda t: comm.permute(t, ring), mesh)
+    wanted = od.on_mesh(leaf_by_leaf, mesh)(tree)
+    got = packed(tree)
+    for name in tree:
+        assert np.asarray(got[name]).dtype == tree[name].dtype
+        assert np.asarray(got[name]).tobytes() == np.asarray(wanted[name]).tobytes(), name
+    hlo = packed.lower(tree).compile().as_text()
+    sent = sorted(re.findall(r"= (\S+) collective-permute\(", hlo))
+    assert sent == sorted([f"f32[{big}]{{0}}", "f32[24]{0}", "s32[2]{0}", "u16[4]{0}"])  # w, b, s together
+    # under vmap nothing crosses devices: each leaf is indexed on its own, nothing is packed
+    simulated = od.simulate(lambda t: comm.permute(t, ring))(tree)
+    for name in tree:
+        assert np.asarray(simulated[name]).tobytes() == np.asarray(wanted[name]).tobytes(), name
+
+
+def test_permute_buckets_small_leaves_per_dtype_in_order():
+    """``_buckets``: small leaves of one dtype share a bucket up to ``PACK_BUCKET_BYTES``; a leaf
+    of ``PACK_LEAF_BYTES`` or more goes alone."""
+    from optaxdist.comm import base
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    small, large = base.PACK_LEAF_BYTES // 4 - 1, base.PACK_LEAF_BYTES // 4
+    shapes = [(small, f32), (3, bf16), (large, f32), (small, f32), (5, bf16)]
+    leaves = [jax.ShapeDtypeStruct((k,), dt) for k, dt in shapes]
+    assert base._buckets(leaves) == [[0, 3], [1, 4], [2]]
+    per_bucket = base.PACK_BUCKET_BYTES // (4 * small)  # whole small leaves that fit one bucket
+    many = [jax.ShapeDtypeStruct((small,), f32)] * (per_bucket + 1)
+    assert base._buckets(many) == [list(range(per_bucket)), [per_bucket]]

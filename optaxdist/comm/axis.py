@@ -90,6 +90,9 @@ class AxisComm(Communicator):
     def _on_mesh(self) -> bool:
         return set(self.axes) <= set(manual_axes())
 
+    def _packs_permutes(self) -> bool:
+        return self._on_mesh()  # under vmap nothing crosses devices: a permute is an indexing
+
     def _psum(self, x):
         self.size  # noqa: B018  (raises the clear error when an axis is unbound)
         if self._sums_in_two_phases(x.dtype):

@@ -69,14 +69,24 @@ def _mix(
     for slot, perm in enumerate(topology.perms(r)):
         w = jnp.asarray(slot_w[slot])[me]
         if push:
-            arrived = [comm.permute(v * w.astype(v.dtype), perm, dtype=d) for v, d in zip(values, wires)]
+            arrived = _permute_by_wire(comm, [v * w.astype(v.dtype) for v in values], perm, wires)
         else:
-            arrived = [comm.permute(v, perm, dtype=d) * w.astype(v.dtype) for v, d in zip(values, wires)]
+            arrived = [a * w.astype(a.dtype) for a in _permute_by_wire(comm, values, perm, wires)]
         received = [a + b for a, b in zip(received, arrived)]
         sends = jnp.asarray(np.isin(np.arange(topology.n), [p[0] for p in perm]))[me]
         for kind in kinds:
             ledger = ledger.record(kind, sends.astype(jnp.int32))
     return own, received, ledger
+
+
+def _permute_by_wire(comm: Communicator, values: list[jax.Array], perm: Any, wires: list[Any]) -> list:
+    """``comm.permute`` of each value sent in its wire dtype (None: its own), back in its dtype:
+    one call for all of them, so that the communicator can send small ones together."""
+    sent = [
+        v.astype(d) if d is not None and jnp.issubdtype(v.dtype, jnp.floating) else v
+        for v, d in zip(values, wires)
+    ]
+    return [a.astype(v.dtype) for a, v in zip(comm.permute(sent, perm), values)]
 
 
 def _gossip_schedule(topology: Topology, average_period: int | None):
