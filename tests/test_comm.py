@@ -482,6 +482,10 @@ def test_small_leaves_are_permuted_together_on_a_mesh():
         "b": np.concatenate([specials, rng.normal(size=3).astype(np.float32)])[None].repeat(n, 0),
         "h": rng.normal(size=(n, 4)).astype(jnp.bfloat16),
         "k": rng.integers(-9, 9, size=(n, 2)).astype(np.int32),
+        "k2": rng.integers(-9, 9, size=(n, 2)).astype(np.int32),
+        "m": rng.random((n, 3)) < 0.5,
+        "m2": rng.random((n, 1)) < 0.5,
+        "e": np.zeros((n, 0), np.float32),
         "big": rng.normal(size=(n, big)).astype(np.float32),
         "s": rng.normal(size=(n,)).astype(np.float32),
     }
@@ -497,9 +501,12 @@ def test_small_leaves_are_permuted_together_on_a_mesh():
         assert np.asarray(got[name]).tobytes() == np.asarray(wanted[name]).tobytes(), name
     hlo = packed.lower(tree).compile().as_text()
     sent = sorted(re.findall(r"= (\S+) collective-permute\(", hlo))
-    assert sent == sorted([f"f32[{big}]{{0}}", "f32[24]{0}", "s32[2]{0}", "u16[4]{0}"])  # w, b, s together
+    # one buffer per dtype: w, b, e and s; k and k2; m and m2; h alone (its bits); big alone
+    assert sent == sorted([f"f32[{big}]{{0}}", "f32[24]{0}", "s32[4]{0}", "pred[4]{0}", "u16[4]{0}"])
     # under vmap nothing crosses devices: each leaf is indexed on its own, nothing is packed
-    simulated = od.simulate(lambda t: comm.permute(t, ring))(tree)
+    on_one_device = od.simulate(lambda t: comm.permute(t, ring))
+    assert "concatenate" not in str(jax.make_jaxpr(on_one_device)(tree))
+    simulated = on_one_device(tree)
     for name in tree:
         assert np.asarray(simulated[name]).tobytes() == np.asarray(wanted[name]).tobytes(), name
 

@@ -574,7 +574,8 @@ def test_numpy_sizes_configure_a_compressor_as_python_ints():
     for make in (compress.top_k, compress.random_k, compress.block_k):
         sparse = make(count=np.int64(3))
         assert sparse == make(count=3) and hash(sparse) == hash(make(count=3)) and type(sparse.count) is int
-        assert type(make(fraction=np.float32(0.5)).fraction) is float
+        assert make(fraction=np.float32(0.7)) == make(fraction=0.7)  # as written, not 0.699999988
+        assert make(fraction=np.asarray(0.7, np.float32)).fraction == 0.7
         with pytest.raises(ValueError, match="fraction=True must be a real number in"):
             make(fraction=True)
         with pytest.raises(ValueError, match=r"count=(np.int64\()?0\)? must be an int ≥ 1"):

@@ -49,7 +49,8 @@ with ``--donate`` a step between synchronizations, without it the same call); me
 hand-written sync). The clock stops when the parameters a call returned are ready
 (``_wait_for_step``), as in a loop that reads a result of every step: the results of one program
 are ready together, and a state's other arrays were ready before the call. That is checked after
-the clock stops (``late_state_arrays``, 0 in every run so far). A wait on every array of the state
+the clock stops (``late_state_arrays``, with a warning if not 0; on the CPU mesh ``on_mesh`` waits
+for a call's results itself, so there it is 0 by construction). A wait on every array of the state
 would cost the host about 4 µs per array on the CPU mesh whatever the step did (DASO's state has 57
 arrays, the plain step's 6): that measures the state's size, not the step.
 Before timing, the ledgers confirm that the "local" state sends nothing and the "sync" state does.

@@ -4,8 +4,10 @@ A communicator is a small frozen, hashable object describing a group of replicas
 it as ``comm=`` and call only these methods; every byte that crosses replicas goes through them.
 
 Backends implement primitives on single arrays (``_psum``, ``_all_gather``, ``_permute``,
-``_psum_scatter``, ``_all_to_all``, ``index``) plus ``size``; everything else (trees, communication
-dtypes, broadcast, agreement) is derived here once, so the backends cannot disagree about it.
+``_psum_scatter``, ``_all_to_all``, ``index``) plus ``size``; ``_permute`` may get several small
+leaves packed into one flat array (``permute``, unless ``_packs_permutes`` says no). Everything
+else (trees, communication dtypes, broadcast, agreement) is derived here once, so the backends
+cannot disagree about it.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def sum_in_member_order(rows: jax.Array) -> jax.Array:
     return total.astype(rows.dtype)
 
 
-def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
+def cast_to_wire(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
+    """``x`` as sent in the wire dtype ``dtype`` (None: its own); integers and bools never cast."""
     if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
         return x
     return x.astype(dtype)
@@ -89,7 +92,7 @@ def _cast(x: jax.Array, dtype: jnp.dtype | None) -> jax.Array:
 # never copies a model's large arrays; a bucket holds at most PACK_BUCKET_BYTES. On the 2-core
 # CPU mesh, packing every leaf of the benchmark's MLP into one 390 KiB buffer made D-PSGD's step
 # 3.6 times slower under glibc's default malloc (not with glibc keeping its memory); with these
-# sizes its step went from 0.92 to 0.70-0.74 of the hand-written ring (docs/benchmarks.md).
+# sizes its step went from 0.99-1.00 to 0.77 of a ring sending each leaf alone (docs/benchmarks.md).
 PACK_LEAF_BYTES = 64 << 10
 PACK_BUCKET_BYTES = 1 << 20
 
@@ -197,7 +200,7 @@ class Communicator(abc.ABC):
         dt = canonical_comm_dtype(dtype)
         leaves, treedef = jax.tree.flatten(tree)
         leaves = [jnp.asarray(x) for x in leaves]
-        sent = [x.astype(jnp.int32) if x.dtype == jnp.bool_ else _cast(x, dt) for x in leaves]
+        sent = [x.astype(jnp.int32) if x.dtype == jnp.bool_ else cast_to_wire(x, dt) for x in leaves]
         summed: list[Any] = [None] * len(sent)
         by_dtype: dict[jnp.dtype, list[int]] = {}
         for i, x in enumerate(sent):
@@ -281,7 +284,7 @@ class Communicator(abc.ABC):
         dt = canonical_comm_dtype(dtype)
         leaves, treedef = jax.tree.flatten(tree)
         leaves = [jnp.asarray(x) for x in leaves]
-        wire = [_cast(x, dt) for x in leaves]
+        wire = [cast_to_wire(x, dt) for x in leaves]
         send = lambda x: self._permute(x, perm)  # noqa: E731
         arrived = _send_packed(wire, send) if self._packs_permutes() else [send(x) for x in wire]
         return jax.tree.unflatten(treedef, [a.astype(x.dtype) for a, x in zip(arrived, leaves)])

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import abc
 import math
-import numbers
 from typing import Any, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from optaxdist._validate import check_int, is_bool
+from optaxdist._validate import check_int
 
 Payload = Any
 Exchange = Literal["all_reduce", "all_gather", "two_phase"]
@@ -77,10 +77,20 @@ def check_fraction_or_count(
     if (fraction is None) == (count is None):
         raise ValueError(f"give exactly one of {prefix}fraction= (in (0, 1]) or {prefix}count= (an int ≥ 1)")
     if fraction is not None:
-        if not (isinstance(fraction, numbers.Real) and not is_bool(fraction) and 0 < fraction <= 1):
+        value = _real(fraction)
+        if value is None or not 0 < value <= 1:
             raise ValueError(f"{prefix}fraction={fraction!r} must be a real number in (0, 1]")
-        return float(fraction), None
+        return value, None
     return None, check_int(f"{prefix}count", count, 1)
+
+
+def _real(x: Any) -> float | None:
+    """A real scalar (Python, NumPy or JAX; not a bool) as the Python float its shortest decimal
+    spells: ``np.float32(0.7)`` is 0.7, as written, not 0.699999988 (which keeps 699 of 1000)."""
+    value = np.asarray(x)
+    if value.ndim or not (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+        return None
+    return float(str(value[()]))
 
 
 def scatter(indices: jax.Array, values: jax.Array, size: int) -> jax.Array:

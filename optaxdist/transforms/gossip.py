@@ -23,7 +23,7 @@ import optax
 from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger, Kind, payload_bytes
 from optaxdist.agreement import configured
-from optaxdist.comm.base import Communicator, canonical_comm_dtype, divides_first
+from optaxdist.comm.base import Communicator, canonical_comm_dtype, cast_to_wire, divides_first
 from optaxdist.topology import Topology
 from optaxdist.transforms._checks import check_comm
 from optaxdist.transforms.periodic import SyncInput, every_leaf, periodic
@@ -82,10 +82,7 @@ def _mix(
 def _permute_by_wire(comm: Communicator, values: list[jax.Array], perm: Any, wires: list[Any]) -> list:
     """``comm.permute`` of each value sent in its wire dtype (None: its own), back in its dtype:
     one call for all of them, so that the communicator can send small ones together."""
-    sent = [
-        v.astype(d) if d is not None and jnp.issubdtype(v.dtype, jnp.floating) else v
-        for v, d in zip(values, wires)
-    ]
+    sent = [cast_to_wire(v, canonical_comm_dtype(d)) for v, d in zip(values, wires)]
     return [a.astype(v.dtype) for a, v in zip(comm.permute(sent, perm), values)]
 
 
@@ -285,12 +282,11 @@ def sgp(
     if not topology.is_column_stochastic():
         raise ValueError(f"topology {topology.name!r} is not column-stochastic: push-sum needs it")
     wire = canonical_comm_dtype(dtype) or jnp.dtype(jnp.float32)
-    send_weight = not topology.is_doubly_stochastic()
-    gossip_kinds = (PERMUTE_KIND, WEIGHT_KIND) if send_weight else (PERMUTE_KIND,)
+    gossip_kinds = (PERMUTE_KIND, WEIGHT_KIND)  # the weight travels even where it stays 1
 
     def kinds(params, inner_state):
         out = {PERMUTE_KIND: payload_bytes(params, wire)}
-        out |= {WEIGHT_KIND: 4} if send_weight else {}
+        out |= {WEIGHT_KIND: 4}
         # the numerators and the float32 weight
         global_bytes = payload_bytes(params, wire) + payload_bytes(jax.ShapeDtypeStruct((), jnp.float32))
         return out | ({GLOBAL_KIND: global_bytes} if average_period else {})
