@@ -116,6 +116,15 @@ def _buckets(leaves: Sequence[jax.Array]) -> list[list[int]]:
     return out
 
 
+def _send_joined(leaves: Sequence[jax.Array], positions: Sequence[int], send: Any, out: list) -> None:
+    """``send`` of the leaves at ``positions`` joined into one flat array; what comes back is cut
+    into ``out`` at the same positions, in their leaves' shapes (``send`` keeps elements in place)."""
+    arrived = send(jnp.concatenate([leaves[i].reshape(-1) for i in positions]))
+    ends = np.cumsum([leaves[i].size for i in positions])
+    for i, piece in zip(positions, jnp.split(arrived, ends[:-1])):
+        out[i] = piece.reshape(leaves[i].shape)
+
+
 def _send_packed(leaves: Sequence[jax.Array], send: Any) -> list[jax.Array]:
     """``[send(x) for x in leaves]`` with the leaves of each of ``_buckets`` sent as one flat
     array (``send`` moves its array's elements as they are: a permutation). Bit-exact."""
@@ -124,11 +133,8 @@ def _send_packed(leaves: Sequence[jax.Array], send: Any) -> list[jax.Array]:
         if len(bucket) == 1:
             (i,) = bucket
             out[i] = send(leaves[i])
-            continue
-        arrived = send(jnp.concatenate([leaves[i].reshape(-1) for i in bucket]))
-        ends = np.cumsum([leaves[i].size for i in bucket])
-        for i, piece in zip(bucket, jnp.split(arrived, ends[:-1])):
-            out[i] = piece.reshape(leaves[i].shape)
+        else:
+            _send_joined(leaves, bucket, send, out)
     return out
 
 
@@ -209,9 +215,7 @@ class Communicator(abc.ABC):
             else:
                 summed[i] = self._psum(x)
         for ix in by_dtype.values():  # one reduce-scatter + all-gather per dtype: padded once
-            flat = self._psum_in_two_phases(jnp.concatenate([sent[i].reshape(-1) for i in ix]))
-            for i, part in zip(ix, jnp.split(flat, np.cumsum([sent[i].size for i in ix])[:-1])):
-                summed[i] = part.reshape(sent[i].shape)
+            _send_joined(sent, ix, self._psum_in_two_phases, summed)
         out = [s > 0 if x.dtype == jnp.bool_ else s.astype(x.dtype) for x, s in zip(leaves, summed)]
         return jax.tree.unflatten(treedef, out)
 
