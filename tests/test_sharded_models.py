@@ -119,12 +119,12 @@ TRANSFORMS = {
 # dtype), and later steps carry it on. The parameters move by 4e-2 to 2e-1 in these steps.
 TOLERANCE = {"allreduce_fp16_clip": 1e-4, "allreduce_bf16_sum": 3e-4, "daso": 3e-4}
 
-# one of each family in the default run (DASO: the hierarchical test), the rest under -m slow
+# one of each family in the default run (DASO: the hierarchical test; PowerSGD over a model axis:
+# tests/test_sharded_compression.py), the rest under -m slow
 DEFAULT = {
     (4, "allreduce"),
     (4, "dynamic_loss_scale"),
     (4, "compressed_top_k"),
-    (4, "powersgd"),
     (4, "singa_sgd"),
     (2, "sgp_overlap"),
 }

@@ -487,9 +487,14 @@ def test_a_schedule_index_out_of_range_runs_the_general_program():
     assert (split.local_calls, split.sync_calls) == (2, 0)  # t = 3, 6 (t = 0: the first call)
 
 
+# the mesh by default (its programs run the collectives); simulate, and Heat's quirks, in the full run
 @pytest.mark.parametrize(
     "where, quirks",
-    [("simulate", False), ("mesh", False), pytest.param("simulate", True, marks=pytest.mark.slow)],
+    [
+        pytest.param("simulate", False, marks=pytest.mark.slow),
+        ("mesh", False),
+        pytest.param("simulate", True, marks=pytest.mark.slow),
+    ],
 )
 def test_daso_runs_a_program_per_kind_of_batch(where, quirks, monkeypatch):
     """DASO's control values (the batch, the cycle, the pending send) are counted on the host
