@@ -575,6 +575,22 @@ def test_a_hand_written_algorithm_that_computes_otherwise_is_refused(name):
         local_steps.measure_case(wrong, harness, inputs, repeats=1)
 
 
+def test_state_arrays_not_ready_with_the_parameters_are_counted_and_warned_about(monkeypatch):
+    """The clock stops when a call's parameters are ready; the state's arrays that were not ready
+    by then are counted per row (``late_state_arrays``) and named in a warning: the row's time
+    would not be the whole step's."""
+    ready = jax.block_until_ready(jax.numpy.ones(3))
+    assert local_steps._late_arrays({"host": np.zeros(2), "ready": ready, "none": None}) == 0
+    case = local_steps.cases()["local_sgd"]
+    harness = local_steps.make_harness("simulate", 4, hierarchical=False)
+    monkeypatch.setattr(local_steps, "_late_arrays", lambda state: 2)
+    with pytest.warns(
+        UserWarning, match=r"local_sgd: arrays of the state were not ready .* in \['hand_sync'"
+    ):
+        row = local_steps.measure_case(case, harness, local_steps.make_inputs(256, 4), repeats=1)
+    assert row["late_state_arrays"] == {"local": 2, "plain": 2, "sync": 2, "hand_sync": 2}
+
+
 def test_overhead_local_steps_split(tmp_path, capsys):
     """``--split-local-steps``: the local step timed on calls that ran the local program, whose
     compile time is reported too, with the first synchronization's call; it needs ``--donate``.
