@@ -28,6 +28,9 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 from tests.harness import MeshHarness, MpiHarness, NodeHarness, VmapHarness  # noqa: E402
 
 HARNESS_N = 8
+# where ``@pytest.mark.sample`` thins a test out by default: vmap is the reference every harness is
+# compared with, and the one-process-per-node runs (tests/test_mpi.py) keep their whole selection
+SAMPLED_HARNESSES = ("mesh", "mpi")
 
 
 # The cases that start other processes (mpirun, jax.distributed) run for minutes: they go first, so
@@ -38,6 +41,8 @@ FIRST = ("tests/test_mpi.py", "tests/test_multihost.py", "tests/test_node_faults
 def pytest_generate_tests(metafunc):
     if "harness" in metafunc.fixturenames:
         kinds = (["node"] if NODE_DEVICES else ["mpi"]) if UNDER_MPI else ["vmap", "mesh"]
+        if metafunc.definition.get_closest_marker("against_vmap"):  # vmap against itself proves nothing
+            kinds = [k for k in kinds if k != "vmap"]
         metafunc.parametrize("harness", kinds, indirect=True)
 
 
@@ -72,13 +77,15 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m "not slow"`` deselects
 def pytest_collection_modifyitems(config, items):
-    # ``@pytest.mark.mesh_sample(*names)``: on the mesh harness, only these ``name`` parameters run
-    # by default (the others are marked slow); every one runs on the vmap harness and in the full run
+    # ``@pytest.mark.sample(*names, harnesses=...)``: on these harnesses (by default the mesh and
+    # mpirun's one process per replica), only these ``name`` parameters run by default (the others
+    # are marked slow); every one runs on the other harnesses and in the full run
     for item in items:
-        sample = item.get_closest_marker("mesh_sample")
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if sample and params.get("harness") == "mesh" and params.get("name") not in sample.args:
-            item.add_marker(pytest.mark.slow)
+        for sample in item.iter_markers("sample"):
+            on = sample.kwargs.get("harnesses", SAMPLED_HARNESSES)
+            if params.get("harness") in on and params.get("name") not in sample.args:
+                item.add_marker(pytest.mark.slow)
     if not UNDER_MPI:
         items.sort(key=lambda item: not item.nodeid.startswith(FIRST))
         return
