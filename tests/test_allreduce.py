@@ -72,6 +72,7 @@ def test_allreduce_sgd_matches_numpy_and_accounting(harness):
     }
 
 
+@pytest.mark.against_vmap
 def test_same_trajectory_on_every_harness(harness):
     """The 20 steps of allreduce + SGD give the same parameters as the vmap reference (1e-6)."""
     from tests.harness import VmapHarness

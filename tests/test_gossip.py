@@ -55,6 +55,8 @@ def test_time_varying_exponential_graph(harness):
     assert od.comm_stats(state).by_kind["permute[params]"] == od.KindTotals(STEPS, STEPS * p_bytes)
 
 
+# under mpirun in the full run: both permute as test_wire_dtype and test_same_numbers_on_every_harness do
+@pytest.mark.sample(harnesses=("mpi",))
 def test_sgp_equals_dpsgd_on_regular_uniform_graphs(harness):
     n = harness.n
     g = topo.npeer_dynamic_directed_exponential_graph(n) if n > 1 else topo.complete(1)
@@ -69,6 +71,7 @@ def test_sgp_equals_dpsgd_on_regular_uniform_graphs(harness):
     assert weight.bytes == 4 * weight.collectives and (weight.collectives > 0 or n == 1)
 
 
+@pytest.mark.against_vmap
 def test_same_numbers_on_every_harness(harness):
     from tests.harness import VmapHarness
 
@@ -189,6 +192,8 @@ def test_dpsgd_metropolis_star_keeps_the_average():
         od.comm_stats(state)
 
 
+# on the mesh and under mpirun in the full run: the outer step is SlowMo's, the exchange SGP's
+@pytest.mark.sample()
 def test_slowmo_over_sgp_equals_sgp_with_global_averages(harness):
     n = harness.n
     ring = topo.ring(n)

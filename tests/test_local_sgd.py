@@ -29,6 +29,8 @@ def close(a, b, atol=1e-5):
         np.testing.assert_allclose(a[k], b[k], atol=atol, rtol=0)
 
 
+# the mean at every step of matches_numpy_and_bytes: on the mesh and under mpirun in the full run
+@pytest.mark.sample()
 def test_period_one_equals_synchronous_sgd(harness):
     a, _ = run_trajectory(harness, lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=1))
     b, _ = run_trajectory(harness, lambda c: optax.chain(od.allreduce(comm=c), optax.sgd(LR)))
@@ -162,6 +164,8 @@ def test_sync_model_state_needs_the_node_comm_of_a_two_level_local_sgd():
         od.simulate(step, axis_name=("node", "local"), shape=(2, 2))(np.zeros((4, 2), np.float32))
 
 
+# test_partial's test_diloco_warmup_equals_local_sgd_warmup makes the same comparison, with a warm-up
+@pytest.mark.slow
 def test_diloco_with_sgd_one_equals_local_sgd(harness):
     a, _ = run_trajectory(
         harness, lambda c: od.diloco(optax.sgd(LR), optax.sgd(1.0), comm=c, period=3), steps=STEPS
@@ -170,6 +174,8 @@ def test_diloco_with_sgd_one_equals_local_sgd(harness):
     close(a, b, atol=1e-6)
 
 
+# a special case of test_slowmo_matches_fairscale_formula: on the mesh and under mpirun in the full run
+@pytest.mark.sample()
 def test_slowmo_without_momentum_equals_local_sgd(harness):
     a, _ = run_trajectory(
         harness,
@@ -298,43 +304,34 @@ def finite_tree(tree) -> bool:
 
 # Every transform's guard is the periodic engine's; the default run keeps one of each kind of
 # synchronization (a mean, a mean of the inner state too, a sharded outer step, fragments,
-# push-sum gossip), the full run all of them.
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda c, n: od.local_sgd(optax.sgd(LR), comm=c, period=4),
-        lambda c, n: od.local_sgd(optax.sgd(LR), comm=c, period=4, average_inner_state=True),
-        pytest.param(lambda c, n: od.diloco(optax.sgd(LR), comm=c, period=4), marks=pytest.mark.slow),
-        lambda c, n: od.diloco(optax.sgd(LR), comm=c, period=4, num_shards=n),
-        pytest.param(
-            lambda c, n: od.slowmo(optax.sgd(LR), comm=c, period=4, learning_rate=LR), marks=pytest.mark.slow
-        ),
-        pytest.param(lambda c, n: od.partial_average(optax.sgd(LR), comm=c), marks=pytest.mark.slow),
-        lambda c, n: od.streaming_diloco(optax.sgd(LR), comm=c, period=4, num_fragments=2),
-        pytest.param(
-            lambda c, n: od.decentralized_sgd(optax.sgd(LR), comm=c, topology=od.topology.ring(n)),
-            marks=pytest.mark.slow,
-        ),
-        lambda c, n: od.sgp(optax.sgd(LR), comm=c, topology=od.topology.exponential(n)),
-    ],
-    ids=[
-        "local_sgd",
-        "local_sgd_inner_avg",
-        "diloco",
-        "diloco_sharded",
-        "slowmo",
-        "partial_average",
-        "streaming_diloco",
-        "dpsgd",
-        "sgp",
-    ],
+# push-sum gossip) on vmap and local SGD's on the mesh and under mpirun, the full run all of them.
+GUARDED = {
+    "local_sgd": lambda c, n: od.local_sgd(optax.sgd(LR), comm=c, period=4),
+    "local_sgd_inner_avg": lambda c, n: od.local_sgd(
+        optax.sgd(LR), comm=c, period=4, average_inner_state=True
+    ),
+    "diloco": lambda c, n: od.diloco(optax.sgd(LR), comm=c, period=4),
+    "diloco_sharded": lambda c, n: od.diloco(optax.sgd(LR), comm=c, period=4, num_shards=n),
+    "slowmo": lambda c, n: od.slowmo(optax.sgd(LR), comm=c, period=4, learning_rate=LR),
+    "partial_average": lambda c, n: od.partial_average(optax.sgd(LR), comm=c),
+    "streaming_diloco": lambda c, n: od.streaming_diloco(optax.sgd(LR), comm=c, period=4, num_fragments=2),
+    "dpsgd": lambda c, n: od.decentralized_sgd(optax.sgd(LR), comm=c, topology=od.topology.ring(n)),
+    "sgp": lambda c, n: od.sgp(optax.sgd(LR), comm=c, topology=od.topology.exponential(n)),
+}
+
+
+@pytest.mark.sample("local_sgd")
+@pytest.mark.sample(
+    "local_sgd", "local_sgd_inner_avg", "diloco_sharded", "streaming_diloco", "sgp", harnesses=("vmap",)
 )
-def test_nonfinite_gradient_skips_only_that_local_step(harness, make):
+@pytest.mark.parametrize("name", list(GUARDED))
+def test_nonfinite_gradient_skips_only_that_local_step(harness, name):
     """A NaN/Inf gradient on one replica skips that replica's local step and nothing else: the
     result equals the run where that gradient was zero (plain SGD), on every replica."""
     n, steps = harness.n, 10
     poison = np.ones((n, steps), np.float32)
     poison[n - 1, 1], poison[0, 5] = np.nan, np.inf
+    make = GUARDED[name]
     p, s, _ = poisoned_run(harness, make(harness.comm, n), poison, steps)
     zeroed = np.where(np.isfinite(poison), poison, 0.0).astype(np.float32)
     ref, _, _ = poisoned_run(harness, make(harness.comm, n), zeroed, steps)
@@ -373,19 +370,21 @@ def test_bad_arguments():
         )
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=2),
-        lambda c: od.diloco(optax.sgd(LR), comm=c, period=2),
-        lambda c: od.partial_average(optax.sgd(LR), comm=c),
-        lambda c: od.streaming_diloco(optax.sgd(LR), comm=c, period=2, num_fragments=2),
-    ],
-    ids=["local_sgd", "diloco", "partial_average", "streaming_diloco"],
-)
-def test_check_start(harness, make):
+# the start check is the engine's, one for every transform: on the mesh and under mpirun local SGD's
+# by default
+CHECKED_START = {
+    "local_sgd": lambda c: od.local_sgd(optax.sgd(LR), comm=c, period=2),
+    "diloco": lambda c: od.diloco(optax.sgd(LR), comm=c, period=2),
+    "partial_average": lambda c: od.partial_average(optax.sgd(LR), comm=c),
+    "streaming_diloco": lambda c: od.streaming_diloco(optax.sgd(LR), comm=c, period=2, num_fragments=2),
+}
+
+
+@pytest.mark.sample("local_sgd")
+@pytest.mark.parametrize("name", list(CHECKED_START))
+def test_check_start(harness, name):
     n = harness.n
-    tx = make(harness.comm)
+    tx = CHECKED_START[name](harness.comm)
     p = od.replicate(jax.tree.map(jnp.asarray, init_params()), n)
 
     def two_steps(q):
@@ -481,6 +480,8 @@ def test_bfloat16_parameters_get_float32_anchors(sharded):
     assert od.comm_stats(s32).by_kind == od.comm_stats(s16).by_kind
 
 
+# on vmap, test_split_local_steps compares the programs bit for bit; it runs here in the full run
+@pytest.mark.sample(harnesses=("vmap",))
 def test_split_local_steps_computes_the_same(harness):
     """``split_local_steps=True`` on every harness (MPI and one process per node included): the
     local program runs on the local steps, the synchronization's on the synchronizations, and

@@ -205,6 +205,7 @@ def test_trajectory_matches_numpy(harness):
     }
 
 
+@pytest.mark.against_vmap
 @pytest.mark.parametrize("rank, rtol", [(1, 0.0), (2, 1e-5)])
 def test_same_results_on_every_harness(harness, rank, rtol):
     """Agreement with the vmap reference to 1e-6. With rank ≥ 2 the Gram–Schmidt dot products
