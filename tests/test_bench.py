@@ -188,12 +188,14 @@ def test_algorithm_groups_expand():
 
 
 def test_powersgd_rows_bytes_match_formula(tmp_path):
+    """The row without error feedback (its only use in the default run); the row with it sends the
+    same bytes (test_powersgd: test_accounting_equals_formula_and_compiled_hlo)."""
     steps = 10
     rc = main(
         [
             "bench",
             "--algorithms",
-            "powersgd-r2,powersgd-r2-noef",
+            "powersgd-r2-noef",
             "--steps",
             str(steps),
             "--replicas",
@@ -411,7 +413,7 @@ def test_charlm_transformer_size(capsys):
     data = load_dataset("charlm", seed=0)
     cfg = BenchConfig(dataset="charlm", transformer=(32, 3, 2), algorithms=("allreduce-fp32",), out=None)
     model = make_model(cfg, data)
-    params = model.init(jax.random.key(0), data.x_train[:1])
+    params = jax.eval_shape(model.init, jax.random.key(0), data.x_train[:1])  # shapes: nothing compiled
     d, layers, vocab, window = 32, 3, data.num_classes, data.x_train.shape[1]
     block = 2 * (2 * d) + 4 * (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)  # 2 norms, attention, MLP
     want = vocab * d + window * d + layers * block + 2 * d + d * vocab + vocab
@@ -559,7 +561,9 @@ def test_keep_freed_memory_reuses_the_pages_it_freed():
     assert main(["bench", "--host-malloc", "keep", "--out", ""]) == 2  # the overhead suite's option
 
 
-@pytest.mark.parametrize("name", ["diloco", "slowmo"])
+# SlowMo's case needs the second step to tell; DiLoCo's right reference is checked by every row
+# (test_overhead_local_steps_rows), its wrong one in the full run
+@pytest.mark.parametrize("name", [pytest.param("diloco", marks=pytest.mark.slow), "slowmo"])
 def test_a_hand_written_algorithm_that_computes_otherwise_is_refused(name):
     """The hand-written references are checked against the transform's sync steps: one with
     another outer optimizer is not a reference for the same work. For SlowMo from zero momentum
@@ -731,8 +735,16 @@ def test_each_timed_step_follows_the_step_a_loop_makes_before_it():
     assert calls_made == 3 * [("sync", 99), *(("sync", 100 + k) for k in range(local_steps.LOOP))]
 
 
-@pytest.mark.parametrize("name", ["local_sgd", "sgp"])
-@pytest.mark.parametrize("split", [False, True])
+# by default each transform with one of the two programs (the check is the same for all)
+@pytest.mark.parametrize(
+    "name, split",
+    [
+        ("local_sgd", False),
+        pytest.param("local_sgd", True, marks=pytest.mark.slow),
+        pytest.param("sgp", False, marks=pytest.mark.slow),
+        ("sgp", True),
+    ],
+)
 def test_local_steps_timed_in_a_loop_are_all_local(name, split):
     """The loop's local steps synchronize nothing (gossip: no global average): a schedule position
     from which a synchronization comes within ``LOOP`` steps is refused, not timed as local

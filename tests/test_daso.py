@@ -361,8 +361,20 @@ TIMELINES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TIMELINES))
-@pytest.mark.parametrize("redundant", [True, False], ids=["heat_broadcast", "no_redundant"])
+# without Heat's redundant broadcast, a timeline that has none is the same: in the full run only
+@pytest.mark.parametrize(
+    "redundant, name",
+    [
+        pytest.param(
+            redundant,
+            name,
+            id=f"{'heat_broadcast' if redundant else 'no_redundant'}-{name}",
+            marks=() if redundant or TIMELINES[name]["redundant"] else pytest.mark.slow,
+        )
+        for redundant in (True, False)
+        for name in sorted(TIMELINES)
+    ],
+)
 def test_timelines(name, redundant):
     spec = TIMELINES[name]
     spe = spec["steps_per_epoch"]
@@ -562,7 +574,9 @@ def epoch_losses(values, W, spe):
     return np.concatenate([v + spread for v in values], axis=1)
 
 
-@pytest.mark.parametrize("first_cycle", ["heat", "max_global_skips"])
+# the first cycle from max_global_skips is also asserted in test_blocking_phase_timeline_and_bytes and
+# test_improving_loss_keeps_the_cycle_and_no_loss_feeds_nothing: its plateaus in the full run
+@pytest.mark.parametrize("first_cycle", ["heat", pytest.param("max_global_skips", marks=pytest.mark.slow)])
 def test_plateau_cycling_from_the_loss(first_cycle):
     """Constant loss: a plateau every 3 epochs. Heat's (4,1,1) → (2,1,1) → (1,1,1) → reset
     (8,2,2) → (4,1,1); the cool-down is blocking whatever the loss."""

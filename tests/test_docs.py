@@ -60,9 +60,12 @@ def test_doc_block_runs(code, tmp_path):
         exec(compile(code, "<doc block>", "exec"), {"__name__": "__doc_block__"})
 
 
-# the examples that other tests run already (test_flax, test_checkpoint, test_exact_sync) are in the
-# full run only
+# the examples that other tests run already (test_flax, test_checkpoint, test_exact_sync,
+# test_multihost), or whose program a doc block runs (harnesses.md: the mesh, MPI and one process
+# per node; loss_scale.md), are in the full run only; simulate_allreduce.py stands for them
 COVERED_ELSEWHERE = {"linen_trainstate.py", "nnx_mnist.py", "multihost_checkpoint.py", "exact_sync.py"}
+COVERED_ELSEWHERE |= {"multihost_allreduce.py", "mesh_allreduce.py", "mpi_allreduce.py", "loss_scale.py"}
+COVERED_ELSEWHERE |= {"mpi_one_process_per_node.py"}
 
 
 @pytest.mark.parametrize(

@@ -164,10 +164,13 @@ def assert_agreed_bits(traces, N, G, dtypes=DTYPES, min_syncs=1):
 # the default run keeps one case of each mechanism: anchors kept by the synchronizations' state
 # (Streaming DiLoCo: fragments, delayed merges) and DASO's own state; the engine's copy runs by
 # default in test_sync_params_under_optax_masked and test_sync_params_with_flax_nnx.
-# `scripts/test.sh --all` runs every case (under mpirun -n 4 as well)
+# `scripts/test.sh --all` runs every case (under mpirun -n 4 as well). By default they run on the
+# mesh and one process per node (tests/test_mpi.py), where each replica's program is its own; vmap's
+# one program for all replicas in the full run.
 DEFAULT_CASES = ("streaming_diloco", "daso")
 
 
+@pytest.mark.sample(harnesses=("vmap",))
 @pytest.mark.parametrize(
     "case", [c if c in DEFAULT_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES]
 )
