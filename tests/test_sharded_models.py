@@ -120,9 +120,9 @@ TRANSFORMS = {
 TOLERANCE = {"allreduce_fp16_clip": 1e-4, "allreduce_bf16_sum": 3e-4, "daso": 3e-4}
 
 # one of each family in the default run (DASO: the hierarchical test; PowerSGD over a model axis:
-# tests/test_sharded_compression.py), the rest under -m slow
+# tests/test_sharded_compression.py; the all-reduce inside dynamic loss scaling), the rest under
+# -m slow
 DEFAULT = {
-    (4, "allreduce"),
     (4, "dynamic_loss_scale"),
     (4, "compressed_top_k"),
     (4, "singa_sgd"),
