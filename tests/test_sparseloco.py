@@ -63,6 +63,8 @@ def test_matches_numpy_and_sends_the_packed_bytes(harness):
     assert sync_stats(state) == {"all_gather[chunked_top_k/1of4]": od.KindTotals(syncs, syncs * per_sync)}
 
 
+# the outer step is each replica's own: the mesh in the full run
+@pytest.mark.sample()
 def test_outer_replaces_the_outer_sgd(harness):
     # outer_lr keeps its default (1.0): the trajectory is the NumPy model's only if outer's 0.8 is used
     settings = dict(chunk_size=4, k=1, value_bits=None, error_decay=0.5, outer=optax.sgd(0.8))
@@ -72,6 +74,8 @@ def test_outer_replaces_the_outer_sgd(harness):
     close(params, np_sparseloco(harness.n, chunk=4, k=1, decay=0.5, outer_lr=0.8))
 
 
+# packing is each replica's own; the mesh packs in test_matches_numpy_and_sends_the_packed_bytes
+@pytest.mark.sample()
 def test_small_leaves_are_packed_into_one_vector(harness):
     """chunk 8: w (6 values) and b (2) are both smaller than a chunk, so they travel as one vector of
     8 values (one chunk, b first); without packing each leaf pads a chunk of its own."""
@@ -122,6 +126,8 @@ def test_defaults_are_the_papers_and_send_128_bytes_per_4096_values(harness):
     }
 
 
+# the mesh runs the same sync in test_defaults_are_the_papers_and_send_128_bytes_per_4096_values
+@pytest.mark.sample()
 def test_absmax_values_send_one_scale_per_chunk(harness):
     assert one_sync_stats(harness, value_scale="absmax") == {
         "all_gather[chunked_top_k/64of4096,int2/64]": od.KindTotals(1, 3 * (96 + 16 + 4))
