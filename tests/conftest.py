@@ -77,14 +77,19 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m "not slow"`` deselects
 def pytest_collection_modifyitems(config, items):
-    # ``@pytest.mark.sample(*names, harnesses=...)``: on these harnesses (by default the mesh and
-    # mpirun's one process per replica), only these ``name`` parameters run by default (the others
-    # are marked slow); every one runs on the other harnesses and in the full run
+    # ``@pytest.mark.sample(*cases, harnesses=...)``: on these harnesses (by default the mesh and
+    # mpirun's one process per replica), only these cases run by default, named by their ``name``
+    # parameter or by their id without the harness's; the others are marked slow. Every case runs
+    # on the other harnesses and in the full run.
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         for sample in item.iter_markers("sample"):
-            on = sample.kwargs.get("harnesses", SAMPLED_HARNESSES)
-            if params.get("harness") in on and params.get("name") not in sample.args:
+            harness = params.get("harness")
+            if harness not in sample.kwargs.get("harnesses", SAMPLED_HARNESSES):
+                continue
+            ids = item.callspec.id.split("-")
+            ids.remove(harness)
+            if params.get("name") not in sample.args and "-".join(ids) not in sample.args:
                 item.add_marker(pytest.mark.slow)
     if not UNDER_MPI:
         items.sort(key=lambda item: not item.nodeid.startswith(FIRST))

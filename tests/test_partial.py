@@ -1,5 +1,6 @@
 """SINGA partial averaging and Streaming DiLoCo."""
 
+import functools
 import re
 
 import jax
@@ -107,6 +108,7 @@ def test_streaming_fragments_staggered_and_delayed(harness, delay, blend):
 
 
 @pytest.mark.parametrize("delay", [1, 3])
+@pytest.mark.sample("3")  # the delay is each replica's schedule: vmap has both
 def test_overlap_gives_the_numbers_of_the_all_reduce_at_the_sync(harness, delay):
     """``overlap``: each fragment's all-reduce spread over the ``delay`` steps after its sync, one
     chunk per step, the outer step taken at the merge: the numbers of the all-reduce at the sync.
@@ -174,6 +176,27 @@ def test_overlap_is_bitwise_the_all_reduce_at_the_sync_with_16_bit_leaves():
     assert stats["overlapped_all_reduce[bfloat16+float32]"] == od.KindTotals(19, 19 * (62 * 4 + 4 * 2))
 
 
+@functools.cache
+def _overlapped_streaming_step():
+    """One transform and one simulated step for every case below: each replica count compiles once."""
+    tx = od.streaming_diloco(
+        optax.sgd(0.05, momentum=0.9),
+        comm=od.AxisComm("replica"),
+        period=8,
+        num_fragments=2,
+        delay=3,
+        blend=0.5,
+        overlap=True,
+    )
+
+    def step(p, s, t):
+        g = jax.tree.map(lambda x: jnp.cos(2 * x.astype(jnp.float32) + t).astype(x.dtype), p)
+        u, s = tx.update(g, s, p)
+        return od.apply_updates(p, u, s), s
+
+    return tx, od.simulate(step)
+
+
 @pytest.mark.parametrize("steps_before", [6, 9, 10])
 def test_overlap_resized_while_a_chunk_is_in_flight(steps_before):
     """``resize_replicas`` from 4 to 2 replicas in the middle of an overlapped all-reduce: the
@@ -182,17 +205,7 @@ def test_overlap_resized_while_a_chunk_is_in_flight(steps_before):
     gradients, the run continues as a 2-replica run from the start would: the chunks on the wire
     are rescaled for 2."""
     params = {"a": jnp.linspace(-1, 1, 24).reshape(4, 6), "b": jnp.linspace(0, 1, 8).astype(jnp.bfloat16)}
-    comm = od.AxisComm("replica")
-    tx = od.streaming_diloco(
-        optax.sgd(0.05, momentum=0.9), comm=comm, period=8, num_fragments=2, delay=3, blend=0.5, overlap=True
-    )
-
-    def step(p, s, t):
-        g = jax.tree.map(lambda x: jnp.cos(2 * x.astype(jnp.float32) + t).astype(x.dtype), p)
-        u, s = tx.update(g, s, p)
-        return od.apply_updates(p, u, s), s
-
-    run_step = od.simulate(step)
+    tx, run_step = _overlapped_streaming_step()
 
     def run(p, s, n, steps):
         for t in steps:
@@ -274,6 +287,7 @@ def test_balanced_fragments_never_empty():
 
 
 @pytest.mark.parametrize("delay", [0, 1])
+@pytest.mark.sample("1")  # the delay is each replica's schedule: vmap has both
 def test_streaming_sharded_equals_unsharded(harness, delay):
     """num_shards: each fragment's anchor and outer state sharded; the new anchor is all-gathered at
     the merge. Nesterov outer steps are element-wise: the same numbers."""
