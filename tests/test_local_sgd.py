@@ -286,16 +286,18 @@ def test_diloco_defaults_and_compressed_pseudo_gradients(harness):
     del n
 
 
-def poisoned_run(harness, tx, poison, steps):
-    """``steps`` steps of ``tx`` on the least-squares problem; ``poison[i, t]`` multiplies replica
-    ``i``'s gradient at step ``t``. Returns the final params, state and the params before each step."""
+def poisoned_runs(harness, tx, poisons, steps):
+    """``steps`` steps of ``tx`` on the least-squares problem from the start, once per array of
+    ``poisons`` (``poison[i, t]`` multiplies replica ``i``'s gradient at step ``t``), the runs one
+    after the other in one program. Returns each run's final params and state."""
     from tests.test_loss_scale import scan_steps
 
     xs, ys = replica_data(harness.n, steps)
     params0 = od.replicate(jax.tree.map(jnp.asarray, init_params()), harness.n)
-    run = lambda p, x, y, b: scan_steps(tx, p, x, y, b)
-    p, s, (p_before, _, _) = harness.run(run, params0, np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1), poison)
-    return p, s, p_before
+    run = lambda p, x, y, bad: jax.lax.map(lambda b: scan_steps(tx, p, x, y, b)[:2], bad)
+    xs, ys, bad = np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1), np.stack(poisons, axis=1)
+    p, s = harness.run(run, params0, xs, ys, bad)
+    return [jax.tree.map(lambda x, i=i: x[:, i], (p, s)) for i in range(len(poisons))]
 
 
 def finite_tree(tree) -> bool:
@@ -331,10 +333,8 @@ def test_nonfinite_gradient_skips_only_that_local_step(harness, name):
     n, steps = harness.n, 10
     poison = np.ones((n, steps), np.float32)
     poison[n - 1, 1], poison[0, 5] = np.nan, np.inf
-    make = GUARDED[name]
-    p, s, _ = poisoned_run(harness, make(harness.comm, n), poison, steps)
     zeroed = np.where(np.isfinite(poison), poison, 0.0).astype(np.float32)
-    ref, _, _ = poisoned_run(harness, make(harness.comm, n), zeroed, steps)
+    (p, s), (ref, _) = poisoned_runs(harness, GUARDED[name](harness.comm, n), [poison, zeroed], steps)
     assert finite_tree(p) and finite_tree(s)
     close(p, ref, atol=1e-6)
 
