@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxdist as od
+from tests.problems import normal
 from tests.test_contract import TRANSFORMS as CONTRACT
 
 R = od.REPLICA_AXIS
@@ -142,12 +143,12 @@ def _problem(n: int):
     """Stacked params of ``n`` identical replicas, and different data per replica."""
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     params = {
-        "w1": jax.random.normal(k1, (8, 16)) * 0.3,
-        "w2": jax.random.normal(k2, (16, 8)) * 0.3,
+        "w1": normal(k1, (8, 16)) * 0.3,
+        "w2": normal(k2, (16, 8)) * 0.3,
         "b": jnp.full((8,), 0.1),
     }
-    x = jax.random.normal(k3, (STEPS, n, 4, 8))
-    y = jnp.tanh(jax.random.normal(k4, (STEPS, n, 4, 8)))
+    x = normal(k3, (STEPS, n, 4, 8))
+    y = jnp.tanh(normal(k4, (STEPS, n, 4, 8)))
     return od.replicate(params, n), x, y
 
 
