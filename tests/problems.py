@@ -17,15 +17,6 @@ def init_params(seed: int = 0) -> dict[str, np.ndarray]:
     }
 
 
-def normal(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) -> jax.Array:
-    """``jax.random.normal(key, shape)``, drawn flat and reshaped: the same numbers (threefry is
-    partitionable), and one small program per size; the shaped draw compiles for seconds at 4-D."""
-    size = 1
-    for d in shape:
-        size *= d
-    return jax.random.normal(key, (size,), dtype).reshape(shape)
-
-
 def replica_data(n: int, steps: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Per-step, per-replica least-squares batches: x (steps, n, B, in), y (steps, n, B, out)."""
     rng = np.random.default_rng(seed)

@@ -13,9 +13,9 @@ import optax
 import pytest
 
 import optaxdist as od
+from optaxdist.bench.data import random_normal
 from optaxdist.transforms.periodic import AGREED
 from tests.harness import VmapHarness
-from tests.problems import normal
 
 STEPS = 8
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -25,7 +25,7 @@ INNER = optax.sgd(0.1, momentum=0.9)
 def params0(dtype):
     k1, k2 = jax.random.split(jax.random.key(0))
     return {
-        "w": (0.1 * normal(k1, (16, 8))).astype(dtype),
+        "w": (0.1 * random_normal(k1, (16, 8))).astype(dtype),
         "b": (0.01 * jax.random.normal(k2, (8,))).astype(dtype),
     }
 
@@ -209,7 +209,7 @@ def test_sync_params_with_flax_nnx():
         if exact:
             nnx.update(model, od.sync_params(nnx.state(model, nnx.Param), optimizer.opt_state))
 
-    x = normal(jax.random.key(1), (4, 16, 8))
+    x = random_normal(jax.random.key(1), (4, 16, 8))
     y = jnp.sin(3 * x[..., :4])
     for exact in (False, True):
         step = od.simulate(od.nnx_step(graphdef, lambda o, x, y, e=exact: train(o, x, y, e)))

@@ -9,7 +9,8 @@ import optax
 import pytest
 
 import optaxdist as od
-from tests.problems import init_params, normal, np_grad, replica_data
+from optaxdist.bench.data import random_normal
+from tests.problems import init_params, np_grad, replica_data
 from tests.test_allreduce import LR, run_trajectory
 
 STEPS = 12
@@ -497,7 +498,7 @@ def test_split_local_steps_computes_the_same(harness):
     params = od.replicate({"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)}, harness.n)
     state = harness.run(tx.init, params)
     keys = jax.random.split(jax.random.key(1), 8)
-    grads = [{"w": normal(k, (harness.n, 3, 4))} for k in keys]
+    grads = [{"w": random_normal(k, (harness.n, 3, 4))} for k in keys]
     expected, _ = harness.run_loop(step, (params, state), grads)
     got, split = harness.run_loop(step, (params, state), grads, split_local_steps=True)
     for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):

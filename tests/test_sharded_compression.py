@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxdist as od
-from tests.problems import normal
+from optaxdist.bench.data import random_normal
 
 COMM = od.AxisComm(od.REPLICA_AXIS)
 C = od.compress
@@ -41,9 +41,9 @@ def _mesh(replicas, model):
 def _grads(n, seed=0):
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
     return {
-        "w1": normal(k1, (n, 16, 32)),
-        "w2": normal(k2, (n, 32, 8)),
-        "b": normal(k3, (n, 8)),
+        "w1": random_normal(k1, (n, 16, 32)),
+        "w2": random_normal(k2, (n, 32, 8)),
+        "b": random_normal(k3, (n, 8)),
     }
 
 
@@ -199,7 +199,7 @@ def test_powersgd_moves_only_factors_over_the_model_axis():
     devices of a replica send the factors once between them (the ledger's bytes)."""
     mesh = _mesh(2, 4)
     k1, k2 = jax.random.split(jax.random.key(1))
-    grads = {"w1": normal(k1, (2, 64, 128)), "w2": normal(k2, (2, 128, 64))}
+    grads = {"w1": random_normal(k1, (2, 64, 128)), "w2": random_normal(k2, (2, 128, 64))}
     specs = {"w1": P(None, "model"), "w2": P("model", None)}
     rank = 2
     tx = od.powersgd(comm=COMM, rank=rank, warmup_steps=0)
@@ -282,9 +282,9 @@ def test_powersgd_with_model_sharding_sends_what_its_ledger_says(axes, specs):
     mesh = jax.sharding.Mesh(devices, names, axis_types=(jax.sharding.AxisType.Auto,) * len(names))
     k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
     grads = {
-        "w1": normal(k1, (replicas, 64, 128)),
-        "w2": normal(k2, (replicas, 128, 64)),
-        "b": normal(k3, (replicas, 64)),
+        "w1": random_normal(k1, (replicas, 64, 128)),
+        "w2": random_normal(k2, (replicas, 128, 64)),
+        "b": random_normal(k3, (replicas, 64)),
     }
     sharding = od.ModelSharding.from_mesh(mesh, specs, od.REPLICA_AXIS)
     tx = od.powersgd(comm=COMM, rank=2, warmup_steps=1, model_sharding=sharding)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxdist as od
-from tests.problems import normal
+from optaxdist.bench.data import random_normal
 from tests.test_contract import TRANSFORMS as CONTRACT
 
 R = od.REPLICA_AXIS
@@ -143,12 +143,12 @@ def _problem(n: int):
     """Stacked params of ``n`` identical replicas, and different data per replica."""
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     params = {
-        "w1": normal(k1, (8, 16)) * 0.3,
-        "w2": normal(k2, (16, 8)) * 0.3,
+        "w1": random_normal(k1, (8, 16)) * 0.3,
+        "w2": random_normal(k2, (16, 8)) * 0.3,
         "b": jnp.full((8,), 0.1),
     }
-    x = normal(k3, (STEPS, n, 4, 8))
-    y = jnp.tanh(normal(k4, (STEPS, n, 4, 8)))
+    x = random_normal(k3, (STEPS, n, 4, 8))
+    y = jnp.tanh(random_normal(k4, (STEPS, n, 4, 8)))
     return od.replicate(params, n), x, y
 
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optaxdist as od
-from tests.problems import normal
+from optaxdist.bench.data import random_normal
 
 COMM = od.AxisComm(od.REPLICA_AXIS)
 N = 4
@@ -28,8 +28,10 @@ def _mesh():
 
 def _problem():
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
-    params = od.replicate({"w1": normal(k1, (16, 32)) * 0.1, "w2": normal(k2, (32, 4)) * 0.1}, N)
-    x, y = normal(k3, (N, 8, 16)), normal(k4, (N, 8, 4))
+    params = od.replicate(
+        {"w1": random_normal(k1, (16, 32)) * 0.1, "w2": random_normal(k2, (32, 4)) * 0.1}, N
+    )
+    x, y = random_normal(k3, (N, 8, 16)), random_normal(k4, (N, 8, 4))
     return params, x, y
 
 

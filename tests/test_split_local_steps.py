@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 import optaxdist as od
 from optaxdist import topology
+from optaxdist.bench.data import random_normal
 from optaxdist.parallel.split import LOCAL
-from tests.problems import normal
 
 N = 4
 STEPS = 40
@@ -101,7 +101,7 @@ def _params():
 def _grads(steps: int = STEPS):
     keys = jax.random.split(jax.random.key(0), steps)
     like = _params()
-    return [jax.tree.map(lambda p, k=k: normal(k, p.shape), like) for k in keys]
+    return [jax.tree.map(lambda p, k=k: random_normal(k, p.shape), like) for k in keys]
 
 
 def _step(tx):
@@ -852,7 +852,7 @@ def test_a_schedule_chosen_from_the_shapes_is_traced_again():
         state = od.simulate(every_5.init)(params)
         keys = jax.random.split(jax.random.key(2), 7)
         for k in keys:
-            params, state = harness(params, state, normal(k, params.shape))
+            params, state = harness(params, state, random_normal(k, params.shape))
         return params, state
 
     split, general = od.simulate(step, split_local_steps=True), od.simulate(step)
@@ -898,7 +898,7 @@ def test_flax_nnx_runs_the_local_program():
         optimizer.update(model, grads)
         return loss
 
-    x = normal(jax.random.key(3), (N, 4, 3))
+    x = random_normal(jax.random.key(3), (N, 4, 3))
     results = []
     for split in (False, True):
         graphdef, state = make()

@@ -6,6 +6,7 @@ import gzip
 import importlib.resources
 from typing import Literal, NamedTuple
 
+import jax
 import numpy as np
 
 DATASETS = ("digits", "mnist", "charlm", "pysrc")
@@ -97,3 +98,10 @@ def make_shards(
         order = order[np.argsort(y[order], kind="stable")]
     per = len(y) // n
     return order[: per * n].reshape(n, per)
+
+
+def random_normal(key: jax.Array, shape: tuple[int, ...], dtype=np.float32) -> jax.Array:
+    """``jax.random.normal(key, shape, dtype)``, drawn flat and reshaped: the same numbers (JAX's
+    threefry is partitionable by default), from one small program per size, where the draw of a 4-D
+    shape compiles for seconds on a CPU."""
+    return jax.random.normal(key, (int(np.prod(shape, dtype=np.int64)),), dtype).reshape(shape)

@@ -79,7 +79,7 @@ from jax.sharding import PartitionSpec as P
 import optaxdist
 from optaxdist._compat import manual_axes
 from optaxdist.bench import models
-from optaxdist.bench.data import load_dataset
+from optaxdist.bench.data import load_dataset, random_normal
 from optaxdist.bench.host_memory import host_malloc, minor_faults
 from optaxdist.bench.overhead import hlo_summary, make_params
 from optaxdist.comm.axis import all_reduce_widens
@@ -594,8 +594,7 @@ def make_inputs(n_params: int, replicas: int, seed: int = 0, leaves: int = 4, mo
         params = optaxdist.replicate(make_params(n_params, leaves), replicas)
         keys = jax.random.split(jax.random.key(seed), len(params))
         data = {
-            k: jax.random.normal(kk, v.shape, v.dtype)
-            for (k, v), kk in zip(params.items(), keys, strict=True)
+            k: random_normal(kk, v.shape, v.dtype) for (k, v), kk in zip(params.items(), keys, strict=True)
         }
         gradients_of = given_gradients
     parameters = sum(int(x[0].size) for x in jax.tree.leaves(params))

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 import optaxdist
+from optaxdist.bench.data import random_normal
 
 _SUFFIX = {"K": 10**3, "M": 10**6, "G": 10**9}
 
@@ -101,9 +102,7 @@ def measure(
     ours, hand, ours_tx, hand_tx = _steps(lr)
     params = optaxdist.replicate(make_params(n_params), replicas)
     keys = jax.random.split(jax.random.key(seed), len(params))
-    grads = {
-        k: jax.random.normal(kk, v.shape, v.dtype) for (k, v), kk in zip(params.items(), keys, strict=True)
-    }
+    grads = {k: random_normal(kk, v.shape, v.dtype) for (k, v), kk in zip(params.items(), keys, strict=True)}
     ours_state = jax.vmap(ours_tx.init)(params)
     hand_state = jax.vmap(hand_tx.init)(params)
     if harness == "simulate":

@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 import optaxdist
 from optaxdist.bench.algorithms import HIERARCHICAL_ALGORITHMS, BenchContext, get_algorithms, local_optimizer
 from optaxdist.bench.charlm import CharTransformer
-from optaxdist.bench.data import load_dataset, make_shards
+from optaxdist.bench.data import load_dataset, make_shards, random_normal
 from optaxdist.bench.models import cross_entropy
 
 R = optaxdist.REPLICA_AXIS
@@ -147,8 +147,8 @@ def memory_params(n_params: int) -> tuple[dict[str, jax.Array], dict[str, P]]:
     side = max(8, 8 * round(math.sqrt(n_params / 8) / 8))
     k1, k2 = jax.random.split(jax.random.key(0))
     params = {
-        "w1": jax.random.normal(k1, (side, 4 * side)) / math.sqrt(side),
-        "w2": jax.random.normal(k2, (4 * side, side)) / math.sqrt(4 * side),
+        "w1": random_normal(k1, (side, 4 * side)) / math.sqrt(side),
+        "w2": random_normal(k2, (4 * side, side)) / math.sqrt(4 * side),
         "b": jnp.zeros((side,)),
     }
     return params, {"w1": P(None, MODEL), "w2": P(MODEL, None), "b": P()}
@@ -205,8 +205,8 @@ def run_memory(
     comm = optaxdist.AxisComm(R)
     n = MEMORY_REPLICAS
     kx, ky = jax.random.split(jax.random.key(1))
-    x = jax.random.normal(kx, (MEMORY_STEPS, n, 8, side))
-    y = jax.random.normal(ky, (MEMORY_STEPS, n, 8, side))
+    x = random_normal(kx, (MEMORY_STEPS, n, 8, side))
+    y = random_normal(ky, (MEMORY_STEPS, n, 8, side))
     results, skipped = [], []
     for m in model_sizes:
         if n * m > len(jax.devices()):
