@@ -79,8 +79,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_collection_modifyitems(config, items):
     # ``@pytest.mark.sample(*cases, harnesses=...)``: on these harnesses (by default the mesh and
     # mpirun's one process per replica), only these cases run by default, named by their ``name``
-    # parameter or by their id without the harness's; the others are marked slow. Every case runs
-    # on the other harnesses and in the full run.
+    # parameter or by their id without the harness's; the others are marked slow (the full run has
+    # them). On the other harnesses the marker changes nothing.
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
         for sample in item.iter_markers("sample"):

@@ -13,6 +13,7 @@ non-i.i.d. setting of DiLoCo).
 from __future__ import annotations
 
 import hashlib
+import re
 import sysconfig
 from pathlib import Path
 
@@ -42,8 +43,7 @@ def stdlib_source_text() -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not NOT_SOURCE & set(p.relative_to(root).parts[:-1]))
     text = "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
-    keep = {chr(c) for c in range(32, 127)} | {"\n", "\t"}
-    return "".join(c if c in keep else OTHER for c in text)
+    return re.sub(r"[^\t\n -~]", OTHER, text)  # keeps printable ASCII (space to tilde), tab, newline
 
 
 def text_digest(text: str) -> str:
@@ -56,9 +56,11 @@ def load_charlm(seq_len: int = 64, test_fraction: float = 0.1, corpus: str = "ch
     source) as a ``Dataset``: ``x`` (N, seq_len) int32 character ids, ``y`` (N, seq_len) the next
     characters; ``num_classes`` is the vocabulary size."""
     text = pydoc_text() if corpus == "charlm" else stdlib_source_text()
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = np.fromiter((lookup[c] for c in text), np.int32, count=len(text))
+    codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)  # one code point per character
+    present = np.zeros(int(codes.max()) + 1, bool)
+    present[codes] = True
+    vocab = np.flatnonzero(present)  # the characters in code point order, as sorted(set(text))
+    ids = (np.cumsum(present, dtype=np.int32) - 1)[codes]
     window = seq_len + 1
     n = len(ids) // window
     windows = ids[: n * window].reshape(n, window)
