@@ -107,7 +107,9 @@ def make_shards(
     return order[: per * n].reshape(n, per)
 
 
-def random_normal(key: jax.Array, shape: tuple[int, ...], dtype=np.float32) -> jax.Array:
+def random_normal(
+    key: jax.Array, shape: tuple[int, ...], dtype: jax.typing.DTypeLike = np.float32
+) -> jax.Array:
     """``jax.random.normal(key, shape, dtype)``, drawn flat and reshaped: the same numbers (JAX's
     threefry is partitionable by default), from one small program per size, where the draw of a 4-D
     shape compiles for seconds on a CPU."""
