@@ -53,12 +53,12 @@ GROUP_MORE_FILES = ["tests/test_partial.py", "tests/test_daso.py", "tests/test_e
 GROUP_DEFAULT_FILES = [f for f in GROUP_FILES if f not in GROUP_MORE_FILES]
 SIZE_AGNOSTIC_FILES = [f for f in HARNESS_TEST_FILES if f not in GROUP_FILES]
 # One process per node (2 processes × 4 CPU devices, node_hierarchy/on_node): the default run keeps
-# the communicator's own tests, the all-reduce family, DASO with Heat's groups and the engine's
-# property test; the full run adds the other harness files, in their default selection (the whole
-# of them takes over 25 minutes on 2 cores: 8 device threads and two compilers).
+# the communicator's own tests (every collective over the devices of both nodes, through the node
+# and MPI), DASO with Heat's groups and the engine's property test; the full run adds the other
+# harness files (the all-reduce family first), in their default selection (the whole of them takes
+# over 25 minutes on 2 cores: 8 device threads and two compilers).
 NODE_FILES = [
     "tests/test_comm.py",
-    "tests/test_allreduce.py",
     "tests/test_daso.py",
     "tests/test_exact_sync.py",
 ]
