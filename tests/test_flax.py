@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 import optaxdist as od
+from optaxdist.bench.data import random_normal
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 4
@@ -108,8 +109,7 @@ def _mesh():
 
 
 def _flat_lecun_normal(key, shape, dtype=jnp.float32):
-    fan_in = math.prod(shape[:-1])
-    return jax.random.normal(key, (math.prod(shape),), dtype).reshape(shape) / math.sqrt(fan_in)
+    return random_normal(key, shape, dtype) / math.sqrt(math.prod(shape[:-1]))
 
 
 class _SmallNnxCnn(nnx.Module):

@@ -59,8 +59,7 @@ def load_charlm(seq_len: int = 64, test_fraction: float = 0.1, corpus: str = "ch
     codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)  # one code point per character
     present = np.zeros(int(codes.max()) + 1, bool)
     present[codes] = True
-    vocab = np.flatnonzero(present)  # the characters in code point order, as sorted(set(text))
-    ids = (np.cumsum(present, dtype=np.int32) - 1)[codes]
+    ids = (np.cumsum(present, dtype=np.int32) - 1)[codes]  # the rank of each character's code point
     window = seq_len + 1
     n = len(ids) // window
     windows = ids[: n * window].reshape(n, window)
@@ -72,7 +71,7 @@ def load_charlm(seq_len: int = 64, test_fraction: float = 0.1, corpus: str = "ch
         train[:, 1:],
         test[:, :-1],
         test[:, 1:],
-        len(vocab),
+        int(present.sum()),  # the vocabulary: the distinct characters
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 import importlib.util
+import math
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -113,4 +114,4 @@ def random_normal(
     """``jax.random.normal(key, shape, dtype)``, drawn flat and reshaped: the same numbers (JAX's
     threefry is partitionable by default), from one small program per size, where the draw of a 4-D
     shape compiles for seconds on a CPU."""
-    return jax.random.normal(key, (int(np.prod(shape, dtype=np.int64)),), dtype).reshape(shape)
+    return jax.random.normal(key, (math.prod(shape),), dtype).reshape(shape)
