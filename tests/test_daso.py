@@ -434,6 +434,8 @@ def test_blocking_phase_timeline_and_bytes():
         assert describe(ev, b, dtype=True) == f"SEND(g{k},0,lowp) AVG(g{k}) bcast{k}"
     assert ev.local_grad_sync[0].all()
     assert tuple(sched[0, spe - 1]) == (8, 2, 2)  # first cycle from max_global_skips
+    # a blocking average leaves nothing pending: the pending sum keeps its initial zeros
+    assert not any(np.asarray(x).any() for x in jax.tree.leaves(state.pending_sum))
     p_bytes = sum(v.nbytes for v in init_params().values())
     stats = od.comm_stats(state).by_kind
     assert stats["cross:all_reduce[bfloat16]"] == od.KindTotals(spe, spe * p_bytes // 2)

@@ -107,7 +107,8 @@ class DasoState(NamedTuple):
       send_group: local index whose cross-node group sends at the next global sync (``send_mod``).
       previous_send_group: group of the last non-blocking send (``send_mod_m1``; -1: none).
       pending_sum: per replica: the cross-node sum of the parameters of this replica's group,
-        computed at send time (float32 or wider), merged when the delay expires.
+        computed at a non-blocking send (float32 or wider), merged when the delay expires; a
+        blocking average leaves it as it was.
       pending_wait: ``B`` stored with the pending send.
       pending_sent_batch: batch index of the pending send.
       pending_valid: a send is outstanding.
@@ -727,13 +728,16 @@ def daso(
 
         # ---- 5. blocking average of the send just made, broadcast within the node ----
         def average_then_broadcast(operand):
-            p, led = operand
+            p, led, summed = operand
             n = jnp.asarray(N, jnp.float32)
-            return broadcast_from(
-                jax.tree.map(lambda x, tot: divide(tot, n, send_low, x), p, sent), s.send_group, led
+            averaged, led = broadcast_from(
+                jax.tree.map(lambda x, tot: divide(tot, n, send_low, x), p, summed), s.send_group, led
             )
+            # nothing is left pending: the pending sum stays as it was (read only while
+            # pending_valid), so a program of this branch alone neither reads nor writes it
+            return averaged, led, before.pending_sum
 
-        target, ledger = when(choices.blocking, average_then_broadcast, (target, ledger))
+        target, ledger, pending_sum = when(choices.blocking, average_then_broadcast, (target, ledger, sent))
 
         # ---- 6. epoch end: mean loss over all replicas, plateau detector, next (gs, ls, btw) ----
         loss_sum, loss_count = before.epoch_loss_sum, before.epoch_loss_count
@@ -811,7 +815,7 @@ def daso(
         new_state = DasoState(
             **next_control(before._asdict(), choices, plan, cycle, G),
             epoch=new_epoch,
-            pending_sum=sent,
+            pending_sum=pending_sum,
             pending_wait=_i32(_pick(nonblocking_send, plan.wait, before.pending_wait)),
             pending_sent_batch=_i32(_pick(nonblocking_send, b, before.pending_sent_batch)),
             pending_low_precision=_flag(_pick(nonblocking_send, send_low, before.pending_low_precision)),
