@@ -434,8 +434,6 @@ def test_blocking_phase_timeline_and_bytes():
         assert describe(ev, b, dtype=True) == f"SEND(g{k},0,lowp) AVG(g{k}) bcast{k}"
     assert ev.local_grad_sync[0].all()
     assert tuple(sched[0, spe - 1]) == (8, 2, 2)  # first cycle from max_global_skips
-    # a blocking average leaves nothing pending: the pending sum keeps its initial zeros
-    assert not any(np.asarray(x).any() for x in jax.tree.leaves(state.pending_sum))
     p_bytes = sum(v.nbytes for v in init_params().values())
     stats = od.comm_stats(state).by_kind
     assert stats["cross:all_reduce[bfloat16]"] == od.KindTotals(spe, spe * p_bytes // 2)
@@ -445,6 +443,28 @@ def test_blocking_phase_timeline_and_bytes():
         assert stats[kind] == od.KindTotals(1, 8)
     for kind in ("local:agree[int32]", "cross:agree[int32]"):
         assert stats[kind] == od.KindTotals(1, 4)
+
+
+def test_a_blocking_average_keeps_the_last_non_blocking_send():
+    """Cycle (4, 1, 1): non-blocking sends at batches 0, 4 and 8 (each merged a batch later),
+    and the epoch's last batch averages its own send at once. That blocking average leaves the
+    pending sum as batch 8's send left it, which nothing reads again (``pending_valid`` is false):
+    a program of a blocking batch alone neither takes nor returns it."""
+    kw = dict(steps_per_epoch=12, total_epochs=10, warmup_epochs=0, cooldown_epochs=0, first_cycle=(4, 1, 1))
+    p0, xs, ys, losses = inputs(4, 12)
+
+    def first(steps):  # the same run's first batches
+        run = _daso_run(2, 2, steps, True, tuple(sorted(kw.items())))
+        return jax.tree.map(np.asarray, run(p0, xs[:, :steps], ys[:, :steps], losses[:, :steps]))
+
+    (_, after_send, _), (_, after_epoch, (ev, _)) = first(9), first(12)
+    sent, averaged = ev.sent_group[0], ev.averaged_group[0]
+    assert [b for b in range(12) if sent[b] >= 0] == [0, 4, 8, 11]
+    assert [b for b in range(12) if averaged[b] >= 0] == [11]
+    assert not after_epoch.pending_valid.any()
+    for a, b in zip(jax.tree.leaves(after_send.pending_sum), jax.tree.leaves(after_epoch.pending_sum)):
+        assert a.any()
+        np.testing.assert_array_equal(a, b)
 
 
 def test_merge_by_hand_two_nodes_two_local():

@@ -815,7 +815,7 @@ def daso(
         new_state = DasoState(
             **next_control(before._asdict(), choices, plan, cycle, G),
             epoch=new_epoch,
-            pending_sum=pending_sum,
+            pending_sum=pending_sum,  # through the blocking cond: a tree-wide select would run every call
             pending_wait=_i32(_pick(nonblocking_send, plan.wait, before.pending_wait)),
             pending_sent_batch=_i32(_pick(nonblocking_send, b, before.pending_sent_batch)),
             pending_low_precision=_flag(_pick(nonblocking_send, send_low, before.pending_low_precision)),
