@@ -620,11 +620,16 @@ def test_overhead_local_steps_split(tmp_path, capsys):
     assert f"loop: {local_steps.LOOP} local steps in a row" in out
 
 
-# DiLoCo by default (its sync checked against DiLoCo written by hand, with the model); gossip, whose
-# reference is the ring, in the full run
+# local SGD by default (test_overhead_local_steps_rows runs DiLoCo's rows without the model); DiLoCo,
+# its sync checked against DiLoCo written by hand with the model, and gossip, whose reference is the
+# ring, in the full run
 @pytest.mark.parametrize(
     ("transform", "reference"),
-    [("diloco", "hand_algorithm"), pytest.param("decentralized_sgd", "hand_local", marks=pytest.mark.slow)],
+    [
+        ("local_sgd", "hand_sync"),
+        pytest.param("diloco", "hand_algorithm", marks=pytest.mark.slow),
+        pytest.param("decentralized_sgd", "hand_local", marks=pytest.mark.slow),
+    ],
 )
 def test_overhead_local_steps_with_a_model(transform, reference, tmp_path, capsys):
     """``--local-model mlp``: every step takes the gradient of an MLP of about ``--local-params``

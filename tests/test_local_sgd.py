@@ -207,6 +207,7 @@ def np_slowmo(n, tau, beta, alpha, lr_fn, steps=STEPS, after_first=False):
     return {k: np.stack([p[k] for p in params]) for k in params[0]}
 
 
+@pytest.mark.sample("False", harnesses=("mpi",))  # under mpirun one layout each (below: True)
 @pytest.mark.parametrize("memory_efficient", [False, True])
 def test_slowmo_matches_fairscale_formula(harness, memory_efficient):
     n = harness.n
@@ -240,6 +241,7 @@ def test_slowmo_matches_fairscale_formula(harness, memory_efficient):
         assert stats == {"all_reduce[float32]": od.KindTotals(syncs, syncs * p_elems * 4)}
 
 
+@pytest.mark.sample("True", harnesses=("mpi",))
 @pytest.mark.parametrize("memory_efficient", [False, True])
 def test_slowmo_anchor_after_first_step(harness, memory_efficient):
     n = harness.n
