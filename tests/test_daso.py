@@ -448,8 +448,8 @@ def test_blocking_phase_timeline_and_bytes():
 def test_a_blocking_average_keeps_the_last_non_blocking_send():
     """Cycle (4, 1, 1): non-blocking sends at batches 0, 4 and 8 (each merged a batch later),
     and the epoch's last batch averages its own send at once. That blocking average leaves the
-    pending sum as batch 8's send left it, which nothing reads again (``pending_valid`` is false):
-    a program of a blocking batch alone neither takes nor returns it."""
+    pending sum as batch 8's send left it, which nothing reads again (``pending_valid`` is false),
+    so that a program of a blocking batch alone can leave that buffer where it is."""
     kw = dict(steps_per_epoch=12, total_epochs=10, warmup_epochs=0, cooldown_epochs=0, first_cycle=(4, 1, 1))
     p0, xs, ys, losses = inputs(4, 12)
 
