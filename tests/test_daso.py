@@ -276,9 +276,10 @@ def inputs(W, steps, losses=None):
     return p0, np.swapaxes(xs, 0, 1), np.swapaxes(ys, 0, 1), np.asarray(losses, np.float32)
 
 
-def simulate_daso(N, G, steps, losses=None, pass_value=True, **kw):
+def simulate_daso(N, G, steps, losses=None, pass_value=True, data=None, **kw):
+    """``steps`` batches of ``data`` (default: ``inputs(N * G, steps, losses)``)."""
     run = _daso_run(N, G, steps, pass_value, tuple(sorted(kw.items())))
-    return jax.tree.map(np.asarray, run(*inputs(N * G, steps, losses)))
+    return jax.tree.map(np.asarray, run(*(inputs(N * G, steps, losses) if data is None else data)))
 
 
 @functools.cache
@@ -451,13 +452,10 @@ def test_a_blocking_average_keeps_the_last_non_blocking_send():
     pending sum as batch 8's send left it, which nothing reads again (``pending_valid`` is false),
     so that a program of a blocking batch alone can leave that buffer where it is."""
     kw = dict(steps_per_epoch=12, total_epochs=10, warmup_epochs=0, cooldown_epochs=0, first_cycle=(4, 1, 1))
-    p0, xs, ys, losses = inputs(4, 12)
-
-    def first(steps):  # the same run's first batches
-        run = _daso_run(2, 2, steps, True, tuple(sorted(kw.items())))
-        return jax.tree.map(np.asarray, run(p0, xs[:, :steps], ys[:, :steps], losses[:, :steps]))
-
-    (_, after_send, _), (_, after_epoch, (ev, _)) = first(9), first(12)
+    p0, *batches = inputs(4, 12)
+    first_9 = (p0, *(x[:, :9] for x in batches))  # the same run's first 9 batches
+    _, after_send, _ = simulate_daso(2, 2, 9, data=first_9, **kw)
+    _, after_epoch, (ev, _) = simulate_daso(2, 2, 12, data=(p0, *batches), **kw)
     sent, averaged = ev.sent_group[0], ev.averaged_group[0]
     assert [b for b in range(12) if sent[b] >= 0] == [0, 4, 8, 11]
     assert [b for b in range(12) if averaged[b] >= 0] == [11]
