@@ -6,13 +6,16 @@
 #      device's peak_bytes_in_use only grows over a process), several at once;
 #   3. the 8-device CPU mesh of the same machine (JAX_PLATFORMS=cpu), at 100k parameters.
 # MODEL=none (default) times the optimizer on given gradients, MODEL=mlp a training step
-# (--local-model mlp). Every step is bounded in time and prints its wall seconds.
-# Usage: [MODEL=mlp] [SIZES="10000 100000"] bash scripts/local_steps_gpu.sh OUT_DIR
+# (--local-model mlp). VARIANTS: the bench's --variants for steps 1 and 3 (default
+# "default,nonfinite-ignore"; add "bare" to see what exact sync and the start check cost).
+# MESH=0 leaves step 3 out. Every step is bounded in time and prints its wall seconds.
+# Usage: [MODEL=mlp] [SIZES="10000 100000"] [VARIANTS=...] [MESH=0] bash scripts/local_steps_gpu.sh OUT_DIR
 #        (with the project importable: PYTHONPATH=$PWD)
 set -uo pipefail
 out=${1:?usage: local_steps_gpu.sh OUT_DIR}
 model=${MODEL:-none}
 sizes=${SIZES:-10000 100000}
+variants=${VARIANTS:-default,nonfinite-ignore}
 mkdir -p "$out"
 transforms=local_sgd,diloco,slowmo,streaming_diloco,daso,decentralized_sgd,sgp
 bench=(python3 -m optaxdist.bench --suite overhead --rows local-steps --transforms "$transforms"
@@ -23,8 +26,8 @@ python3 -c "import jax, sys; print(sys.version.split()[0], jax.__version__, jax.
 
 for size in $sizes; do
   start=$SECONDS
-  timeout 240 "${bench[@]}" --harness simulate --replica-counts 512 --local-params "$size" \
-    --variants default,nonfinite-ignore --out "$out/simulate512_$size" >"$out/simulate512_$size.log" 2>&1
+  timeout 300 "${bench[@]}" --harness simulate --replica-counts 512 --local-params "$size" \
+    --variants "$variants" --out "$out/simulate512_$size" >"$out/simulate512_$size.log" 2>&1
   echo "simulate 512 × $size ($model): rc $?, $((SECONDS - start)) s"
 done
 
@@ -38,8 +41,9 @@ done
 wait
 echo "peak memory runs ($model, 512 × $size): $((SECONDS - start)) s"
 
+[ "${MESH:-1}" = 0 ] && exit 0
 start=$SECONDS
 JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 timeout 150 "${bench[@]}" \
-  --harness mesh --replica-counts 8 --local-params 100000 --variants default,nonfinite-ignore \
+  --harness mesh --replica-counts 8 --local-params 100000 --variants "$variants" \
   --out "$out/mesh8_cpu" >"$out/mesh8_cpu.log" 2>&1
 echo "mesh 8 (CPU, $model): rc $?, $((SECONDS - start)) s"
