@@ -24,11 +24,10 @@ if not UNDER_MPI or NODE_DEVICES:
     TEST_XLA_FLAGS["xla_force_host_platform_device_count"] = (
         f"--xla_force_host_platform_device_count={NODE_DEVICES or 8}"
     )
-flags = os.environ.get("XLA_FLAGS", "")
-for name, flag in TEST_XLA_FLAGS.items():
-    if name not in flags:  # a flag the caller set wins
-        flags = f"{flags} {flag}".strip()
-os.environ["XLA_FLAGS"] = flags
+_caller = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = " ".join(  # a flag the caller set wins
+    [_caller, *(flag for name, flag in TEST_XLA_FLAGS.items() if name not in _caller)]
+).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
