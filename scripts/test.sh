@@ -15,6 +15,8 @@ ruff format --check optaxdist tests examples
 workers=(-n "${OPTAXDIST_TEST_WORKERS:-2}" --dist worksteal)
 if [[ "${1:-}" == "--all" ]]; then
   shift
+  # the full run compiles with LLVM at XLA's default level, as users do (tests/conftest.py)
+  export OPTAXDIST_TEST_OPT_LEVEL="${OPTAXDIST_TEST_OPT_LEVEL:-3}"
   exec python -m pytest -q "${workers[@]}" "$@"
 fi
 exec python -m pytest -q "${workers[@]}" -m "not slow" "$@"
