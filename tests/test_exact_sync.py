@@ -236,6 +236,13 @@ def test_what_exact_sync_keeps():
     assert od.diloco(INNER, comm=comm, period=2).init(p).agreed.values is None
     assert od.diloco(INNER, comm=comm, period=2, num_shards=1).init(p).agreed.values is not None
     assert od.local_sgd(INNER, comm=comm, period=2, exact_sync=False).init(p).agreed == ()
+    # DASO keeps the bit patterns its in-node broadcast sums (that result, not a copy of it)
+    h = od.axis_hierarchy(1, 1)
+    daso = od.daso(INNER, local_comm=h.local, cross_comm=h.cross, steps_per_epoch=4, total_epochs=2)
+    kept = daso.init(p).agreed.values
+    assert jax.tree.map(lambda v: v.dtype, kept) == jax.tree.map(lambda _: jnp.dtype(jnp.int16), p)
+    for k, w in zip(jax.tree.leaves(kept), jax.tree.leaves(p)):
+        np.testing.assert_array_equal(np.asarray(k).view(np.uint16), bits(w))
     # synchronizations that never agree keep flags only
     assert od.outer_sync(INNER, comm=comm, period=2, blend=0.5, num_shards=1).init(p).agreed.values == ()
     replicas, ring = od.AxisComm(od.REPLICA_AXIS), od.topology.ring(4)

@@ -122,7 +122,9 @@ class DasoState(NamedTuple):
       inner_state: per replica: the local optimizer's state.
       daso_ledger: what was sent.
       agreed: with ``exact_sync``, the parameters the last merge broadcast or blocking average
-        set (``AgreedParams``, read by ``optaxdist.sync_params``); ``()`` without.
+        set (``AgreedParams``, read by ``optaxdist.sync_params``), float leaves as their bit
+        patterns (int32 for float32: the in-node broadcast's result, kept without a copy); ``()``
+        without.
     """
 
     batch_in_epoch: jax.Array
@@ -437,9 +439,10 @@ def daso(
         (``"skip"``, the default: zero update, inner state kept; the local step follows the node's
         gradient average, so one bad gradient makes its node skip) or applied as it is
         (``"ignore"``, no cost).
-      exact_sync: keep a copy of the parameters each merge broadcast and blocking average sets
-        (``DasoState.agreed``), so that ``optaxdist.apply_updates`` leaves the replicas of a node
-        (after a blocking average: all replicas) holding exactly the same bits.
+      exact_sync: keep the parameters each merge broadcast and blocking average sets, as the
+        broadcast's bit patterns (``DasoState.agreed``: one parameter-sized buffer), so that
+        ``optaxdist.apply_updates`` leaves the replicas of a node (after a blocking average: all
+        replicas) holding exactly the same bits.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state ``DasoState``.
@@ -543,7 +546,7 @@ def daso(
             last_events=DasoEvents(no, minus, zero, no, minus, zero, zero, minus, minus, no),
             inner_state=vary(inner.init(params)),
             daso_ledger=CommLedger.create(kinds(params)),
-            agreed=initial_agreed(params, vary) if exact_sync else (),
+            agreed=initial_agreed(params, vary, "bits") if exact_sync else (),
         )
 
     def plan_of(c: Mapping[str, Any]) -> BatchPlan:

@@ -31,7 +31,7 @@ import optax
 
 from optaxdist._validate import check_bools
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
-from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.comm.base import SAME_WIDTH_INT, Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import (
     check_comm,
     check_nonfinite,
@@ -57,8 +57,11 @@ class AgreedParams(NamedTuple):
       fresh: a tree of the parameters' structure, per leaf an int8 (replicated): ``AGREED`` (1)
         set to a value every replica of the group holds, ``CHANGED`` (2) changed to a
         per-replica value (a gossip mix, a blended merge), ``UNTOUCHED`` (0) only the local step.
-      values: the agreed values, in the parameters' dtypes (a tree of their structure); None
-        where the synchronizations' state holds them (``sync_state.anchor_params(like)``: the
+      values: the agreed values, in the parameters' dtypes (a tree of their structure), or as
+        their bit patterns (integers of the same width) where the agreement is a broadcast
+        (DASO's in node: ``Communicator.broadcast`` sums bit patterns, so the state keeps the
+        broadcast's own result, and the parameters' values are a second buffer, not a third);
+        None where the synchronizations' state holds them (``sync_state.anchor_params(like)``: the
         anchors of DiLoCo, SlowMo and Streaming DiLoCo); ``()`` where the synchronizations never
         agree (gossip without a global average, a blended merge): flags only.
     """
@@ -67,12 +70,36 @@ class AgreedParams(NamedTuple):
     values: Any
 
     def leaves(self, like: list, held: Any = None) -> tuple[list, list]:
-        """``(fresh, values)`` as lists aligned with ``like`` (parameter leaves), the values cast
-        to their dtypes; ``held``: the values when the state does not keep them."""
+        """``(fresh, values)`` as lists aligned with ``like`` (parameter leaves), the values in
+        their dtypes (bit patterns reinterpreted); ``held``: the values when the state does not
+        keep them."""
         if _never(self.values):  # no leaf is ever AGREED: the values are not read
             return jax.tree.leaves(self.fresh), list(like)
         values = jax.tree.leaves(self.values if self.values is not None else held)
-        return jax.tree.leaves(self.fresh), [v.astype(p.dtype) for v, p in zip(values, like)]
+        return jax.tree.leaves(self.fresh), [_from_kept(v, p.dtype) for v, p in zip(values, like)]
+
+
+def _as_bits(x: jax.Array) -> jax.Array:
+    """A float array's bit patterns (the integer of its width); any other array unchanged."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, SAME_WIDTH_INT[x.dtype.itemsize])
+
+
+def _to_kept(value: jax.Array, kept: jax.Array) -> jax.Array:
+    """``value`` as the state keeps it in place of ``kept``: its bit patterns where the state
+    keeps those (``value`` is then in the parameter's dtype, as a broadcast returns it), else
+    cast to ``kept``'s dtype."""
+    if jnp.issubdtype(kept.dtype, jnp.integer) and jnp.issubdtype(value.dtype, jnp.floating):
+        return _as_bits(value)
+    return value.astype(kept.dtype)
+
+
+def _from_kept(kept: jax.Array, dtype: Any) -> jax.Array:
+    """A kept value in the parameter's ``dtype``: bit patterns reinterpreted, else a cast."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(kept.dtype, jnp.integer):
+        return jax.lax.bitcast_convert_type(kept, dtype)
+    return kept.astype(dtype)
 
 
 def _never(values: Any) -> bool:
@@ -82,9 +109,12 @@ def _never(values: Any) -> bool:
 
 def initial_agreed(params: Any, vary: Callable[[Any], Any], values: str = "copy") -> AgreedParams:
     """Nothing agreed yet. ``values``: ``"copy"`` (copies of ``params``, marked per replica by
-    ``vary``, fill the buffer), ``"anchors"`` (None) or ``"never"`` (``()``)."""
-    if values == "copy":
-        kept = vary(jax.tree.map(lambda p: jnp.array(p, copy=True), params))
+    ``vary``, fill the buffer), ``"bits"`` (the same, float leaves as their bit patterns, for
+    agreements made by a broadcast: see ``AgreedParams.values``), ``"anchors"`` (None) or
+    ``"never"`` (``()``)."""
+    if values in ("copy", "bits"):
+        keep = _as_bits if values == "bits" else lambda p: p
+        kept = vary(jax.tree.map(lambda p: keep(jnp.array(p, copy=True)), params))
     else:
         kept = None if values == "anchors" else ()
     return AgreedParams(jax.tree.map(lambda _: jnp.int8(UNTOUCHED), params), kept)
@@ -103,11 +133,11 @@ def record_agreed(agreed: AgreedParams, target: Any, fresh: Any, vary: Callable[
     if agreed.values is None or _never(agreed.values):
         return AgreedParams(flags, agreed.values)
     if dynamic:
-        cast = lambda: jax.tree.map(lambda t, v: t.astype(v.dtype), target, agreed.values)  # noqa: E731
+        cast = lambda: jax.tree.map(_to_kept, target, agreed.values)  # noqa: E731
         values = jax.lax.cond(fresh, lambda: vary(cast()), lambda: vary(agreed.values))
     else:
         values = jax.tree.map(
-            lambda f, t, v: t.astype(v.dtype) if f == AGREED else v, fresh, target, agreed.values
+            lambda f, t, v: _to_kept(t, v) if f == AGREED else v, fresh, target, agreed.values
         )
     return AgreedParams(flags, vary(values))
 
