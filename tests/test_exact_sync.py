@@ -257,6 +257,29 @@ def test_what_exact_sync_keeps():
         od.partial_average(INNER, comm=comm, exact_sync="yes")
 
 
+def test_an_integer_leaf_is_agreed_as_a_number():
+    """SGP averages an integer leaf in float32 and keeps the copy in the leaf's dtype: the mean,
+    cast, not its bit patterns (only DASO keeps bits, of float leaves)."""
+    comm, W = od.AxisComm(od.REPLICA_AXIS), 4
+    inner = optax.stateless(lambda u, p: jax.tree.map(lambda x, q: (-0.1 * x).astype(q.dtype), u, p))
+    tx = od.sgp(inner, comm=comm, topology=od.topology.exponential(W), average_period=2)
+
+    def two_steps(p):
+        s = tx.init(p)
+        for _ in range(2):  # the second averages
+            rank = jax.lax.axis_index(od.REPLICA_AXIS).astype(jnp.float32)
+            g = {"w": jnp.ones_like(p["w"]) * (1 + rank), "n": jnp.zeros(2)}
+            u, s = tx.update(g, s, p)
+            p = od.apply_updates(p, u, s)
+        return p, s.agreed
+
+    p0 = od.replicate({"w": jnp.arange(3.0), "n": jnp.array([5, 7], jnp.int32)}, W)
+    p0["n"] = p0["n"] + np.arange(W, dtype=np.int32)[:, None]  # means 6.5 and 8.5
+    p, agreed = od.simulate(two_steps)(p0)
+    assert (np.asarray(agreed.fresh["n"]) == AGREED).all()
+    np.testing.assert_array_equal(np.asarray(p["n"]), np.tile([6, 8], (W, 1)))
+
+
 def test_changed_leaves_are_not_overwritten():
     """A blended merge and a gossip round change the parameters without agreeing: flags CHANGED,
     and ``apply_updates`` is ``optax.apply_updates``. Nested in such an outer transform, an inner

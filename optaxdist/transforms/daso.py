@@ -29,7 +29,14 @@ from optaxdist.agreement import configured
 from optaxdist.comm.base import Communicator, canonical_comm_dtype
 from optaxdist.transforms._checks import check_comm, check_nonfinite, check_number, check_state, local_step
 from optaxdist.transforms.local_program import Schedule, mark_flags, next_update, record
-from optaxdist.transforms.periodic import AGREED, UNTOUCHED, AgreedParams, initial_agreed, record_agreed
+from optaxdist.transforms.periodic import (
+    AGREED,
+    UNTOUCHED,
+    AgreedParams,
+    as_bits,
+    initial_agreed,
+    record_agreed,
+)
 
 NO_GROUP = -1
 
@@ -808,12 +815,13 @@ def daso(
         out = jax.tree.map(update, target, params, local_updates)
         agreed = state.agreed
         if exact_sync:  # a merge or blocking average broadcast within the node: the node agrees
+            bits = jax.tree.map(as_bits, target)  # the broadcast's own result (it sums them)
             if branch is None:
-                agreed = record_agreed(agreed, target, jnp.asarray(moved), vary)
+                agreed = record_agreed(agreed, bits, jnp.asarray(moved), vary)
             else:
                 flags = [AGREED if moved else UNTOUCHED] * len(jax.tree.leaves(params))
                 fresh_tree = jax.tree.unflatten(jax.tree.structure(params), flags)
-                agreed = record_agreed(agreed, target, fresh_tree, vary)
+                agreed = record_agreed(agreed, bits, fresh_tree, vary)
                 mark_flags(agreed.fresh, flags)
         new_state = DasoState(
             **next_control(before._asdict(), choices, plan, cycle, G),

@@ -79,24 +79,17 @@ class AgreedParams(NamedTuple):
         return jax.tree.leaves(self.fresh), [_from_kept(v, p.dtype) for v, p in zip(values, like)]
 
 
-def _as_bits(x: jax.Array) -> jax.Array:
-    """A float array's bit patterns (the integer of its width); any other array unchanged."""
+def as_bits(x: jax.Array) -> jax.Array:
+    """A float array's bit patterns (the integer of its width); any other array unchanged. The
+    agreed values of a state made with ``initial_agreed(..., "bits")`` are recorded so."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return x
     return jax.lax.bitcast_convert_type(x, SAME_WIDTH_INT[x.dtype.itemsize])
 
 
-def _to_kept(value: jax.Array, kept: jax.Array) -> jax.Array:
-    """``value`` as the state keeps it in place of ``kept``: its bit patterns where the state
-    keeps those (``value`` is then in the parameter's dtype, as a broadcast returns it), else
-    cast to ``kept``'s dtype."""
-    if jnp.issubdtype(kept.dtype, jnp.integer) and jnp.issubdtype(value.dtype, jnp.floating):
-        return _as_bits(value)
-    return value.astype(kept.dtype)
-
-
 def _from_kept(kept: jax.Array, dtype: Any) -> jax.Array:
-    """A kept value in the parameter's ``dtype``: bit patterns reinterpreted, else a cast."""
+    """A kept value in the parameter's ``dtype``: bit patterns reinterpreted (an integer kept for
+    a float parameter: only ``"bits"`` keeps one), else a cast."""
     if jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(kept.dtype, jnp.integer):
         return jax.lax.bitcast_convert_type(kept, dtype)
     return kept.astype(dtype)
@@ -113,7 +106,7 @@ def initial_agreed(params: Any, vary: Callable[[Any], Any], values: str = "copy"
     agreements made by a broadcast: see ``AgreedParams.values``), ``"anchors"`` (None) or
     ``"never"`` (``()``)."""
     if values in ("copy", "bits"):
-        keep = _as_bits if values == "bits" else lambda p: p
+        keep = as_bits if values == "bits" else lambda p: p
         kept = vary(jax.tree.map(lambda p: keep(jnp.array(p, copy=True)), params))
     else:
         kept = None if values == "anchors" else ()
@@ -121,7 +114,8 @@ def initial_agreed(params: Any, vary: Callable[[Any], Any], values: str = "copy"
 
 
 def record_agreed(agreed: AgreedParams, target: Any, fresh: Any, vary: Callable[[Any], Any]) -> AgreedParams:
-    """``agreed`` after an update whose synchronization left ``target``. ``fresh``: per leaf a
+    """``agreed`` after an update whose synchronization left ``target`` (for a state made with
+    ``"bits"``, its bit patterns: ``as_bits``). ``fresh``: per leaf a
     static ``UNTOUCHED`` / ``AGREED`` / ``CHANGED`` (the periodic engine), or one replicated bool
     scalar, True when every leaf was agreed (DASO; a ``lax.cond``). ``vary`` marks the values per
     replica."""
@@ -133,11 +127,11 @@ def record_agreed(agreed: AgreedParams, target: Any, fresh: Any, vary: Callable[
     if agreed.values is None or _never(agreed.values):
         return AgreedParams(flags, agreed.values)
     if dynamic:
-        cast = lambda: jax.tree.map(_to_kept, target, agreed.values)  # noqa: E731
+        cast = lambda: jax.tree.map(lambda t, v: t.astype(v.dtype), target, agreed.values)  # noqa: E731
         values = jax.lax.cond(fresh, lambda: vary(cast()), lambda: vary(agreed.values))
     else:
         values = jax.tree.map(
-            lambda f, t, v: _to_kept(t, v) if f == AGREED else v, fresh, target, agreed.values
+            lambda f, t, v: t.astype(v.dtype) if f == AGREED else v, fresh, target, agreed.values
         )
     return AgreedParams(flags, vary(values))
 
