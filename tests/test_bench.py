@@ -488,6 +488,7 @@ def test_overhead_local_steps_rows(tmp_path, capsys):
     table = {r["transform"]: r for r in section["state_bytes"]}
     expected = {"local_sgd": 2.0, "diloco": 3.0, "slowmo": 3.0, "streaming_diloco": 3.0}
     expected |= {"decentralized_sgd": 2.0, "sgp": 2.0, "allreduce": 1.0, "topk_1pct_ef": 2.0}
+    expected |= {"daso": 3.0}  # momentum, the pending sum, and exact sync's bit patterns
     for name, buffers in expected.items():
         assert table[name]["buffer_bytes_per_param_byte"] == buffers, name
         assert table[name]["state_bytes"] == buffers * param_bytes + table[name]["fixed_state_bytes"]
@@ -682,7 +683,8 @@ def test_the_hand_written_daso_sync_sets_the_bits_daso_does(harness_name, shape,
     """The reference of DASO's sync row computes what DASO's blocking sync computes, bit for bit:
     the node's gradient mean, the local step, the bf16 sum over the nodes (on the CPU mesh by
     hand, as the bf16 bits, as DASO sends it: an all-to-all, not XLA's float32 all-reduce), its
-    mean, the broadcast within the node. The replicas start apart, so every sum matters; with 4
+    mean, the broadcast within the node (the hand-written algorithm, ``DasoByHand``, alike with
+    its bit-exact broadcast). The replicas start apart, so every sum matters; with 4
     nodes (the mesh case) so does the order of the sum. (Under ``simulate`` the reference is
     XLA's ``psum``, which rounds after each add: the bits are DASO's with 2 nodes.)"""
     monkeypatch.setattr(local_steps, "hierarchy_shape", lambda replicas: shape)
@@ -700,10 +702,14 @@ def test_the_hand_written_daso_sync_sets_the_bits_daso_does(harness_name, shape,
     synced, _ = ours(params, state, data)
     plain_state = harness.place(harness.wrap(local_steps.inner().init)(inputs.params))
     by_hand, _ = hand(params, plain_state, data)
+    algorithm = harness.wrap(local_steps._on_data(case.hand_algorithm.step, gradients_of))
+    algorithm_state = harness.place(harness.wrap(case.hand_algorithm.init)(inputs.params))
+    by_hand_exact, _ = algorithm(params, algorithm_state, data)
     stepped, _ = plain(params, plain_state, data)
-    for a, b, c in zip(*map(jax.tree.leaves, (synced, by_hand, stepped)), strict=True):
-        a, b, c = np.asarray(a), np.asarray(b), np.asarray(c)
+    for a, b, e, c in zip(*map(jax.tree.leaves, (synced, by_hand, by_hand_exact, stepped)), strict=True):
+        a, b, e, c = np.asarray(a), np.asarray(b), np.asarray(e), np.asarray(c)
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert np.array_equal(a.view(np.uint32), e.view(np.uint32))  # with the bit-exact broadcast
         assert all(np.array_equal(a[r], a[0]) for r in range(8))  # a global average
         assert not np.array_equal(a, c)  # not the local step's parameters
     if harness_name == "mesh":

@@ -29,10 +29,12 @@ device per replica) and one number of replicas, the row reports:
   same collective written by hand (``lax.pmean`` of the new parameters; for Streaming DiLoCo of
   the syncing fragment; for DASO's blocking sync a ``bfloat16`` sum over the nodes, sent as
   ``bfloat16`` on a mesh of any backend (``_bf16_sum_over_nodes``), and a broadcast within the
-  node) — target ratio ≤ 1.1. Where the sync step does more than that collective (DiLoCo,
-  SlowMo and Streaming DiLoCo take an outer optimizer step on their anchors), also against the
-  **hand-written algorithm** (``OuterByHand``: plain + ``pmean`` + the same outer step, no
-  schedule, ledger or guard): what the engine adds to the algorithm's own work.
+  node, a masked ``psum`` of the floats) — target ratio ≤ 1.1. Where the sync step does more
+  than that collective (DiLoCo, SlowMo and Streaming DiLoCo take an outer optimizer step on
+  their anchors; DASO broadcasts bit-exactly, summing the root's int32 bit patterns), also
+  against the **hand-written algorithm** (``OuterByHand``: plain + ``pmean`` + the same outer
+  step; ``DasoByHand``: the hand-written sync with the broadcast made so; no schedule, ledger or
+  guard): what the engine adds to the algorithm's own work.
 * **compile**: seconds of ``.lower(...).compile()`` of the transform's step; with
   ``--split-local-steps`` also of its local program, and the seconds of the first call that runs
   a synchronization (it traces and compiles that synchronization's program).
@@ -83,7 +85,8 @@ from optaxdist.bench.data import load_dataset, random_normal
 from optaxdist.bench.host_memory import host_malloc, minor_faults
 from optaxdist.bench.overhead import hlo_summary, make_params
 from optaxdist.comm.axis import all_reduce_widens
-from optaxdist.comm.base import sum_in_member_order
+from optaxdist.comm.base import SAME_WIDTH_INT, sum_in_member_order
+from optaxdist.transforms.periodic import AgreedParams
 
 PERIOD = 30
 LOCAL_T = 5  # a step counter value at a non-sync position of every schedule below
@@ -233,7 +236,7 @@ def _node_mean(grads: Params) -> Params:
     return jax.lax.pmean(grads, LOCAL)
 
 
-def _bf16_sum_over_nodes(leaves: list[jax.Array]) -> list[jax.Array]:
+def _bf16_sum_over_nodes(leaves: list[jax.Array], member_order: bool = False) -> list[jax.Array]:
     """Each leaf's ``bfloat16`` sum over the nodes, sending ``bfloat16``. A ``lax.psum`` does that
     where the backend all-reduces ``bfloat16`` as such (GPUs), and under ``simulate``, where
     nothing crosses devices (there it rounds after each add: with more than 2 nodes its last bits
@@ -241,7 +244,10 @@ def _bf16_sum_over_nodes(leaves: list[jax.Array]) -> list[jax.Array]:
     XLA:CPU mesh it runs in ``float32``, twice the bytes; there, as DASO does: the leaves
     concatenated, an all-to-all of the 16-bit patterns (each node gets its block of every
     node's), the block summed in ``float32`` node by node and rounded once, and an all-gather of
-    the blocks' bits."""
+    the blocks' bits. ``member_order``: under ``simulate`` too, added as DASO adds (in
+    ``float32``, node by node, rounded once), over the gathered values."""
+    if member_order and NODE not in manual_axes():
+        return [sum_in_member_order(jax.lax.all_gather(x.astype(jnp.bfloat16), NODE)) for x in leaves]
     if not all_reduce_widens(jnp.bfloat16) or NODE not in manual_axes():
         return [jax.lax.psum(x.astype(jnp.bfloat16), NODE) for x in leaves]
     nodes = jax.lax.axis_size(NODE)
@@ -256,19 +262,27 @@ def _bf16_sum_over_nodes(leaves: list[jax.Array]) -> list[jax.Array]:
     return [part.reshape(x.shape) for x, part in zip(leaves, jnp.split(total[: flat.size], ends[:-1]))]
 
 
-def _daso_blocking_sync(params: Params) -> Params:
+def _daso_blocking_sync(params: Params, exact: bool = False) -> Params:
     """DASO's blocking global sync, by hand: a bf16 sum over the nodes (``_bf16_sum_over_nodes``)
     divided by their number, then a broadcast within the node from local index 0 (a masked
-    ``psum``)."""
+    ``psum``: of the floats, whose result every member shares but which can flush the root's
+    subnormals and turn its −0 into +0; ``exact``: of their int32 bit patterns, as DASO's
+    ``Communicator.broadcast`` and Heat's ``torch.distributed.broadcast`` give the root's bits,
+    and the sum over the nodes added as DASO adds under ``simulate`` too)."""
     nodes = jax.lax.axis_size(NODE)
     leaves, treedef = jax.tree.flatten(params)
     root = jax.lax.axis_index(LOCAL) == 0
 
     def one(x, total):
         avg = (total / jnp.asarray(nodes, jnp.bfloat16)).astype(x.dtype)
+        if exact:
+            bits = jax.lax.bitcast_convert_type(avg, SAME_WIDTH_INT[avg.dtype.itemsize])
+            summed = jax.lax.psum(jnp.where(root, bits, jnp.zeros_like(bits)), LOCAL)
+            return jax.lax.bitcast_convert_type(summed, x.dtype)
         return jax.lax.psum(jnp.where(root, avg, jnp.zeros_like(avg)), LOCAL)
 
-    return jax.tree.unflatten(treedef, [one(x, t) for x, t in zip(leaves, _bf16_sum_over_nodes(leaves))])
+    totals = _bf16_sum_over_nodes(leaves, member_order=exact)
+    return jax.tree.unflatten(treedef, [one(x, t) for x, t in zip(leaves, totals)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +329,26 @@ class OuterByHand:
 
 
 @dataclasses.dataclass(frozen=True)
+class DasoByHand:
+    """DASO's blocking global sync written by hand with its in-node broadcast bit-exact, as DASO
+    makes it: the node's gradient average, the plain step, then ``_daso_blocking_sync(exact=True)``
+    (the hand-written sync, ``hand_sync``, broadcasts the floats). No schedule, ledger, guard or
+    exact-sync state: the sync step's own work, the reference for what the transform adds to it."""
+
+    def init(self, params: Params) -> optax.OptState:
+        return inner().init(params)
+
+    def local(self, params: Params, state: optax.OptState, grads: Params) -> tuple[Params, optax.OptState]:
+        """A batch without a global sync or the node's gradient average: the plain step."""
+        updates, state = inner().update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def step(self, params: Params, state: optax.OptState, grads: Params) -> tuple[Params, optax.OptState]:
+        params, state = self.local(params, state, _node_mean(grads))
+        return _daso_blocking_sync(params, exact=True), state
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     """One transform: how to build it, the state fields that put its schedule on a local and on a
     sync step, and the collective its sync (and, for gossip, its local step) performs."""
@@ -327,7 +361,7 @@ class Case:
     hand_local: Callable[[Params], Params] | None = None
     hand_sync_grads: Callable[[Params], Params] | None = None  # on the gradients, before the step
     # the sync step's whole algorithm by hand, where it does more than plain + hand_sync
-    hand_algorithm: OuterByHand | None = None
+    hand_algorithm: OuterByHand | DasoByHand | None = None
     hierarchical: bool = False
     settings: str = ""
     options: tuple[str, ...] = ("check_start", "nonfinite", "exact_sync")  # the VARIANTS options it takes
@@ -426,6 +460,7 @@ def cases() -> dict[str, Case]:
             {"batch_in_epoch": PERIOD, "local_sync_next": True},
             _daso_blocking_sync,
             hand_sync_grads=_node_mean,
+            hand_algorithm=DasoByHand(),
             hierarchical=True,
             settings=f"blocking global sync every {PERIOD} batches after a node gradient average",
             options=("nonfinite", "exact_sync"),  # daso has no start check
@@ -531,12 +566,15 @@ def _at(state: Any, fields: Mapping[str, int | bool], early: int = 0) -> Any:
 
 def state_bytes(state: Any, replicas: int) -> tuple[int, int]:
     """``(all bytes, fixed bytes)`` of one replica's share of a stacked state (or its shapes);
-    fixed: scalar and non-floating leaves (counters, ledgers, flags)."""
+    fixed: scalar and non-floating leaves (counters, ledgers, flags), but for the parameters' bit
+    patterns that exact sync keeps (DASO's ``AgreedParams.values``: a parameter-sized buffer)."""
+    nodes = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, AgreedParams))
+    bits = {id(x) for a in nodes if isinstance(a, AgreedParams) for x in jax.tree.leaves(a.values)}
     total = fixed = 0
     for x in jax.tree.leaves(state):
         nbytes = int(x.size) * jnp.dtype(x.dtype).itemsize // replicas
         total += nbytes
-        if len(x.shape) <= 1 or not jnp.issubdtype(x.dtype, jnp.floating):
+        if len(x.shape) <= 1 or not (jnp.issubdtype(x.dtype, jnp.floating) or id(x) in bits):
             fixed += nbytes
     return total, fixed
 
