@@ -40,8 +40,9 @@ device per replica) and one number of replicas, the row reports:
   a synchronization (it traces and compiles that synchronization's program).
 * **state bytes per parameter byte**: the optimizer state's array bytes per replica over the
   parameter bytes per replica (counters and ledgers included; ``fixed_state_bytes`` are the
-  scalar and integer leaves, so ``(state − fixed) / params`` is an exact multiple of the
-  parameter-sized buffers). A separate table lists it for the non-periodic transforms too.
+  scalar and integer leaves but for the parameters' bit patterns DASO's exact sync keeps, so
+  ``(state − fixed) / params`` is an exact multiple of the parameter-sized buffers). A separate
+  table lists it for the non-periodic transforms too.
 
 Timings: the inputs are placed on the mesh first (a timed call moves nothing), each function is
 compiled and called once untimed, then the functions of a row are called ``repeats`` times in turn
@@ -244,20 +245,24 @@ def _bf16_sum_over_nodes(leaves: list[jax.Array], member_order: bool = False) ->
     XLA:CPU mesh it runs in ``float32``, twice the bytes; there, as DASO does: the leaves
     concatenated, an all-to-all of the 16-bit patterns (each node gets its block of every
     node's), the block summed in ``float32`` node by node and rounded once, and an all-gather of
-    the blocks' bits. ``member_order``: under ``simulate`` too, added as DASO adds (in
-    ``float32``, node by node, rounded once), over the gathered values."""
-    if member_order and NODE not in manual_axes():
-        return [sum_in_member_order(jax.lax.all_gather(x.astype(jnp.bfloat16), NODE)) for x in leaves]
-    if not all_reduce_widens(jnp.bfloat16) or NODE not in manual_axes():
+    the blocks' bits. ``member_order``: under ``simulate`` too, where the backend widens, as
+    DASO's communicator sums there: each node's block of the gathered values, summed so, then
+    the blocks gathered."""
+    on_mesh = NODE in manual_axes()
+    if not all_reduce_widens(jnp.bfloat16) or not (on_mesh or member_order):
         return [jax.lax.psum(x.astype(jnp.bfloat16), NODE) for x in leaves]
     nodes = jax.lax.axis_size(NODE)
     flat = jnp.concatenate([x.astype(jnp.bfloat16).reshape(-1) for x in leaves])
     block = -(-flat.size // nodes)
     rows = jnp.pad(flat, (0, block * nodes - flat.size)).reshape(nodes, block)
-    bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(rows, jnp.uint16), NODE, 0, 0)
-    mine = sum_in_member_order(jax.lax.bitcast_convert_type(bits, jnp.bfloat16))
-    gathered = jax.lax.all_gather(jax.lax.bitcast_convert_type(mine, jnp.uint16), NODE)
-    total = jax.lax.bitcast_convert_type(gathered, jnp.bfloat16).reshape(-1)
+    if on_mesh:
+        bits = jax.lax.all_to_all(jax.lax.bitcast_convert_type(rows, jnp.uint16), NODE, 0, 0)
+        mine = sum_in_member_order(jax.lax.bitcast_convert_type(bits, jnp.bfloat16))
+        gathered = jax.lax.all_gather(jax.lax.bitcast_convert_type(mine, jnp.uint16), NODE)
+        total = jax.lax.bitcast_convert_type(gathered, jnp.bfloat16).reshape(-1)
+    else:  # nothing crosses devices: every node's block, picked from the gathered rows
+        mine = sum_in_member_order(jax.lax.all_gather(rows, NODE)[:, jax.lax.axis_index(NODE)])
+        total = jax.lax.all_gather(mine, NODE).reshape(-1)
     ends = np.cumsum([x.size for x in leaves])
     return [part.reshape(x.shape) for x, part in zip(leaves, jnp.split(total[: flat.size], ends[:-1]))]
 
@@ -339,12 +344,13 @@ class DasoByHand:
         return inner().init(params)
 
     def local(self, params: Params, state: optax.OptState, grads: Params) -> tuple[Params, optax.OptState]:
-        """A batch without a global sync or the node's gradient average: the plain step."""
-        updates, state = inner().update(grads, state, params)
+        """The batch before a global sync, as DASO's in the bench (Heat's rules average the node's
+        gradients before every global sync): the plain step on the node's mean gradient."""
+        updates, state = inner().update(_node_mean(grads), state, params)
         return optax.apply_updates(params, updates), state
 
     def step(self, params: Params, state: optax.OptState, grads: Params) -> tuple[Params, optax.OptState]:
-        params, state = self.local(params, state, _node_mean(grads))
+        params, state = self.local(params, state, grads)
         return _daso_blocking_sync(params, exact=True), state
 
 
