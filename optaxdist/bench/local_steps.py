@@ -86,7 +86,7 @@ from optaxdist.bench.data import load_dataset, random_normal
 from optaxdist.bench.host_memory import host_malloc, minor_faults
 from optaxdist.bench.overhead import hlo_summary, make_params
 from optaxdist.comm.axis import all_reduce_widens
-from optaxdist.comm.base import SAME_WIDTH_INT, sum_in_member_order
+from optaxdist.comm.base import as_bits, sum_in_member_order
 from optaxdist.transforms.periodic import AgreedParams
 
 PERIOD = 30
@@ -281,7 +281,7 @@ def _daso_blocking_sync(params: Params, exact: bool = False) -> Params:
     def one(x, total):
         avg = (total / jnp.asarray(nodes, jnp.bfloat16)).astype(x.dtype)
         if exact:
-            bits = jax.lax.bitcast_convert_type(avg, SAME_WIDTH_INT[avg.dtype.itemsize])
+            bits = as_bits(avg)
             summed = jax.lax.psum(jnp.where(root, bits, jnp.zeros_like(bits)), LOCAL)
             return jax.lax.bitcast_convert_type(summed, x.dtype)
         return jax.lax.psum(jnp.where(root, avg, jnp.zeros_like(avg)), LOCAL)

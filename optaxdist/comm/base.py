@@ -315,7 +315,7 @@ class Communicator(abc.ABC):
                 return self._psum(jnp.where(is_root, x, False).astype(jnp.int32)) > 0
             if jnp.issubdtype(x.dtype, jnp.floating):
                 # Sum bit patterns, not floats: a float sum would flush subnormals and turn -0 to +0.
-                bits = jax.lax.bitcast_convert_type(x, SAME_WIDTH_INT[x.dtype.itemsize])
+                bits = as_bits(x)
                 summed = self._psum(jnp.where(is_root, bits, jnp.zeros_like(bits)))
                 return jax.lax.bitcast_convert_type(summed, x.dtype)
             return self._psum(jnp.where(is_root, x, jnp.zeros_like(x)))
@@ -399,7 +399,14 @@ def refuse_all_to_all(comm: Communicator) -> None:
     )
 
 
-SAME_WIDTH_INT = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+_SAME_WIDTH_INT = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """A float array's bit patterns (the integer of its width); any other array unchanged."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, _SAME_WIDTH_INT[x.dtype.itemsize])
 
 
 def _check_permutation(perm: Permutation, size: int) -> tuple[tuple[int, int], ...]:

@@ -26,17 +26,10 @@ import optax
 from optaxdist._validate import check_bools, check_int
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
 from optaxdist.agreement import configured
-from optaxdist.comm.base import Communicator, canonical_comm_dtype
+from optaxdist.comm.base import Communicator, as_bits, canonical_comm_dtype
 from optaxdist.transforms._checks import check_comm, check_nonfinite, check_number, check_state, local_step
 from optaxdist.transforms.local_program import Schedule, mark_flags, next_update, record
-from optaxdist.transforms.periodic import (
-    AGREED,
-    UNTOUCHED,
-    AgreedParams,
-    as_bits,
-    initial_agreed,
-    record_agreed,
-)
+from optaxdist.transforms.periodic import AGREED, UNTOUCHED, AgreedParams, initial_agreed, record_agreed
 
 NO_GROUP = -1
 

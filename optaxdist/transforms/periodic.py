@@ -31,7 +31,7 @@ import optax
 
 from optaxdist._validate import check_bools
 from optaxdist.accounting import CommLedger, Kind, kind_name, payload_bytes, per_replica
-from optaxdist.comm.base import SAME_WIDTH_INT, Communicator, canonical_comm_dtype
+from optaxdist.comm.base import Communicator, as_bits, canonical_comm_dtype
 from optaxdist.transforms._checks import (
     check_comm,
     check_nonfinite,
@@ -77,14 +77,6 @@ class AgreedParams(NamedTuple):
             return jax.tree.leaves(self.fresh), list(like)
         values = jax.tree.leaves(self.values if self.values is not None else held)
         return jax.tree.leaves(self.fresh), [_from_kept(v, p.dtype) for v, p in zip(values, like)]
-
-
-def as_bits(x: jax.Array) -> jax.Array:
-    """A float array's bit patterns (the integer of its width); any other array unchanged. The
-    agreed values of a state made with ``initial_agreed(..., "bits")`` are recorded so."""
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    return jax.lax.bitcast_convert_type(x, SAME_WIDTH_INT[x.dtype.itemsize])
 
 
 def _from_kept(kept: jax.Array, dtype: Any) -> jax.Array:
